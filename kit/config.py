@@ -1,0 +1,219 @@
+"""``Config``: RETURNN-style Python config files or keyword arguments, validated at the boundary.
+
+>>> cfg = Config(batch_size=5000, learning_rate=1e-3)
+>>> cfg.int("batch_size")
+5000
+
+Every problem (unknown key, wrong type, out of range) is collected and raised as one
+:class:`kit.ConfigError` before anything is written or any device is touched.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import os
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from kit.config_keys import KEYS, REPLACED_KEYS
+from kit.errors import ConfigError
+
+_MISSING = object()
+
+
+def suggest(name: str, choices: list[str] | None = None, cutoff: float = 0.75) -> str | None:
+    """The closest known config key to ``name``, or None."""
+    matches = difflib.get_close_matches(name, choices if choices is not None else list(KEYS), n=1, cutoff=cutoff)
+    return matches[0] if matches else None
+
+
+def _unknown_key_problem(name: str, where: str = "") -> str:
+    if name in REPLACED_KEYS:
+        return REPLACED_KEYS[name]
+    guess = suggest(name)
+    hint = f" — did you mean '{guess}'?" if guess else " (see docs/config.md for the known keys)"
+    return f"unknown config key '{name}'{where}{hint}"
+
+
+def _value_problems(items: Mapping[str, Any]) -> list[str]:
+    problems = []
+    for name, value in items.items():
+        key = KEYS.get(name)
+        if key is None or key.check is None:
+            continue
+        expected = key.check(value)
+        if expected is not None:
+            problems.append(f"config key '{name}': got {value!r}, expected {expected}")
+    return problems
+
+
+class Config(Mapping[str, Any]):
+    """Training configuration: known keys are validated, config-file globals are kept."""
+
+    def __init__(self, items: Mapping[str, Any] | None = None, /, **kwargs: Any):
+        self._values: dict[str, Any] = {}
+        self._user_globals: dict[str, Any] = {}  # config-file helpers: constants, functions, imports
+        self.source: str | None = None
+        self.update(items, **kwargs)
+
+    # ---- construction -----------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, /, **overrides: Any) -> Config:
+        """Execute a RETURNN-style Python config file and keep its globals.
+
+        Known keys are validated; other globals (constants, functions, classes, imports)
+        are kept for the user's own code; a global that is a near-miss of a known key
+        (``learnig_rate``) is an error with the suggestion.
+        """
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+        except OSError as exc:
+            raise ConfigError(f"config file '{path}': cannot read it ({exc.strerror})") from None
+        if source.startswith("#!"):
+            source = "#" + source  # '#!rnn.py' and shebangs are comments anyway; keep line numbers
+        namespace: dict[str, Any] = {"__file__": os.path.abspath(path), "__name__": "__kit_config__"}
+        code = compile(source, path, "exec")
+        exec(code, namespace)  # noqa: S102 - the user's own config file, like RETURNN
+        known, user, problems = {}, {}, []
+        for name, value in namespace.items():
+            if name.startswith("_") or isinstance(value, types.ModuleType):
+                continue
+            if name in KEYS:
+                known[name] = value
+            elif name in REPLACED_KEYS:
+                problems.append(f"{REPLACED_KEYS[name]} (in '{path}')")
+            elif (guess := suggest(name, cutoff=0.85)) is not None:
+                problems.append(f"unknown config key '{name}' in '{path}' — did you mean '{guess}'?")
+            else:
+                user[name] = value
+        problems += _value_problems(known)
+        if problems:
+            raise ConfigError(problems)
+        config = cls()
+        config._values.update(known)
+        config._user_globals.update(user)
+        config.source = os.path.abspath(path)
+        config.update(overrides)
+        return config
+
+    def update(self, items: Mapping[str, Any] | None = None, /, **kwargs: Any) -> Config:
+        """Set keys; unknown keys and bad values are collected into one ConfigError."""
+        new = dict(items or {})
+        new.update(kwargs)
+        problems = [_unknown_key_problem(name) for name in new if name not in KEYS]
+        problems += _value_problems({k: v for k, v in new.items() if k in KEYS})
+        if problems:
+            raise ConfigError(problems)
+        self._values.update(new)
+        return self
+
+    def copy(self) -> Config:
+        other = Config()
+        other._values = dict(self._values)
+        other._user_globals = dict(self._user_globals)
+        other.source = self.source
+        return other
+
+    # ---- typed getters ----------------------------------------------------------------
+
+    def typed_value(self, key: str, default: Any = _MISSING) -> Any:
+        """The value as set, else ``default``, else the registry default."""
+        if key in self._values:
+            return self._values[key]
+        if key in self._user_globals:
+            return self._user_globals[key]
+        if default is not _MISSING:
+            return default
+        if key in KEYS:
+            return KEYS[key].default
+        raise KeyError(_unknown_key_problem(key))
+
+    value = typed_value
+    get = typed_value  # type: ignore[assignment]
+
+    def int(self, key: str, default: Any = _MISSING) -> int | None:
+        v = self.typed_value(key, default)
+        return None if v is None else self._convert(key, v, int)
+
+    def float(self, key: str, default: Any = _MISSING) -> float | None:
+        v = self.typed_value(key, default)
+        return None if v is None else self._convert(key, v, float)
+
+    def bool(self, key: str, default: Any = _MISSING) -> bool | None:
+        v = self.typed_value(key, default)
+        if v is None or isinstance(v, bool):
+            return v
+        if isinstance(v, str) and v.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return v.lower() in ("true", "1", "yes")
+        if isinstance(v, int):
+            return bool(v)
+        raise ConfigError(f"config key '{key}': got {v!r}, expected True or False")
+
+    @staticmethod
+    def _convert(key: str, value: Any, type_: type) -> Any:
+        if isinstance(value, bool):
+            raise ConfigError(f"config key '{key}': got {value!r}, expected a {type_.__name__}")
+        try:
+            return type_(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key '{key}': got {value!r}, expected a {type_.__name__}") from None
+
+    def has(self, key: str) -> bool:
+        """Whether the key was set explicitly (registry defaults do not count)."""
+        return key in self._values or key in self._user_globals
+
+    # ---- mapping protocol (explicitly set known keys) ---------------------------------
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._values:
+            return self._values[key]
+        if key in self._user_globals:
+            return self._user_globals[key]
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values or key in self._user_globals
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def user_globals(self) -> dict[str, Any]:
+        """Globals of the config file that are not config keys (user constants and helpers)."""
+        return dict(self._user_globals)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def digest(self) -> str:
+        """A stable hash of the settings (callables by qualified name), for checkpoint manifests."""
+        h = hashlib.sha256()
+        for name in sorted(self._values):
+            h.update(f"{name}={_describe(self._values[name])};".encode())
+        return h.hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={_describe(v)}" for k, v in sorted(self._values.items()))
+        src = f" from {self.source}" if self.source else ""
+        return f"Config({inner}){src}"
+
+
+def _describe(value: Any) -> str:
+    if callable(value) and not isinstance(value, type):
+        return getattr(value, "__qualname__", type(value).__qualname__)
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_describe(v) for v in value) + "]"
+    text = repr(value)
+    return text if " at 0x" not in text else type(value).__qualname__

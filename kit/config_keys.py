@@ -1,0 +1,308 @@
+"""The registry of known config keys: the single source for validation and ``docs/config.md``.
+
+Each key has a name, a short type description, a default, a one-line doc and an optional
+check that returns a problem string (what was expected) or ``None``. Names and meanings
+follow RETURNN wherever RETURNN has the key.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Check = Callable[[Any], "str | None"]
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    type: str
+    default: Any
+    doc: str
+    check: Check | None = None
+    section: str = ""
+
+
+# ---- reusable checks -------------------------------------------------------------------
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def positive_int(v: Any) -> str | None:
+    return None if _is_int(v) and v > 0 else "a positive int"
+
+
+def non_negative_int(v: Any) -> str | None:
+    return None if _is_int(v) and v >= 0 else "an int >= 0"
+
+
+def optional_positive_int(v: Any) -> str | None:
+    return None if v is None else positive_int(v)
+
+
+def non_negative_number(v: Any) -> str | None:
+    return None if _is_num(v) and v >= 0 else "a number >= 0"
+
+
+def optional_non_negative_number(v: Any) -> str | None:
+    return None if v is None else non_negative_number(v)
+
+
+def positive_number(v: Any) -> str | None:
+    return None if _is_num(v) and v > 0 else "a number > 0"
+
+
+def boolean(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "True or False"
+
+
+def optional_str(v: Any) -> str | None:
+    return None if v is None or isinstance(v, str) else "a string or None"
+
+
+def one_of(*choices: Any) -> Check:
+    def check(v: Any) -> str | None:
+        return None if v in choices else "one of " + ", ".join(repr(c) for c in choices)
+
+    return check
+
+
+def int_or_per_key(allow_none: bool = True) -> Check:
+    """An int budget, or a dict key -> int (RETURNN's per-key form)."""
+
+    def check(v: Any) -> str | None:
+        if v is None and allow_none:
+            return None
+        if _is_int(v) and v > 0:
+            return None
+        if isinstance(v, dict) and v and all(isinstance(k, str) and _is_int(x) and x > 0 for k, x in v.items()):
+            return None
+        return "a positive int or a dict data key -> positive int"
+
+    return check
+
+
+def int_or_callable(v: Any) -> str | None:
+    return None if callable(v) or (_is_int(v) and v > 0) else "a positive int or a callable"
+
+
+def optional_callable(v: Any) -> str | None:
+    return None if v is None or callable(v) else "a callable or None"
+
+
+def _chunk_spec_ok(v: Any) -> bool:
+    if _is_int(v):
+        return v > 0
+    if isinstance(v, str):
+        return re.fullmatch(r"\d+(:\d+)?", v) is not None and int(v.split(":")[0]) > 0
+    if isinstance(v, (tuple, list)) and len(v) == 2:
+        return all(_chunk_spec_ok(x) if not isinstance(x, dict) else _per_key_ints(x) for x in v)
+    return False
+
+
+def _per_key_ints(v: dict) -> bool:
+    return all(isinstance(k, str) and _is_int(x) and x > 0 for k, x in v.items())
+
+
+def chunking_spec(v: Any) -> str | None:
+    if v in (None, 0, False):
+        return None
+    if isinstance(v, dict):
+        if _per_key_ints(v):
+            return None
+    elif _chunk_spec_ok(v):
+        return None
+    return "an int size, 'size:step', (size, step), or per-key dicts of ints (e.g. chunking='100:50')"
+
+
+def amp_spec(v: Any) -> str | None:
+    dtypes = ("float16", "bfloat16", "fp16", "bf16")
+    if v is None or v is False:
+        return None
+    if isinstance(v, str) and v in dtypes:
+        return None
+    if isinstance(v, dict) and v.get("dtype") in dtypes:
+        return None
+    return "'float16', 'bfloat16', or {'dtype': ..., 'grad_scaler': {...}}"
+
+
+def optimizer_spec(v: Any) -> str | None:
+    if v is None or callable(v):
+        return None
+    if isinstance(v, dict):
+        if "class" not in v:
+            return "a dict with a 'class' entry, e.g. {'class': 'adamw'}"
+        if "lr" in v or "learning_rate" in v:
+            return "no 'lr' inside 'optimizer': set the config key 'learning_rate' instead"
+        return None
+    return "a dict {'class': 'adamw', ...}, an optimizer class, or a callable"
+
+
+def learning_rates_spec(v: Any) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, (list, tuple)) and all(_is_num(x) and x >= 0 for x in v):
+        return None
+    if isinstance(v, dict) and all(_is_int(k) and k > 0 and _is_num(x) and x >= 0 for k, x in v.items()):
+        return None
+    return "a list of numbers >= 0 (per epoch), or a dict epoch -> number (strings are never evaluated)"
+
+
+def cleanup_spec(v: Any) -> str | None:
+    if v is None or isinstance(v, bool):
+        return None
+    allowed = {"keep_last_n", "keep_best_n", "keep", "dry_run", "keep_best_n_keys"}
+    if isinstance(v, dict):
+        bad = sorted(set(v) - allowed)
+        if bad:
+            return f"a dict with keys among {sorted(allowed)} (got unknown {bad})"
+        return None
+    return "True, False, or a dict (keep_last_n, keep_best_n, keep, dry_run)"
+
+
+def device_spec(v: Any) -> str | None:
+    if v is None or isinstance(v, str):
+        return None
+    return "None (auto), 'cpu', 'gpu', 'cuda', 'cuda:N', 'mps' or 'meta'"
+
+
+def lr_control_spec(v: Any) -> str | None:
+    return one_of("constant", "newbob", "newbob_rel", "newbob_abs", "newbob_multi_epoch")(v)
+
+
+def seq_ordering_spec(v: Any) -> str | None:
+    if v is None:
+        return None
+    pattern = (
+        r"(default|reverse|sorted|sorted_reverse|random(:\d+)?|laplace:\.?\d+(:\d+)?"
+        r"|sort_bin_shuffle(_x2)?:\.?\d+(:\d+)?)"
+    )
+    if isinstance(v, str) and re.fullmatch(pattern, v):
+        return None
+    return "one of default, reverse, sorted, sorted_reverse, random[:seed], laplace:B or laplace:.S[:seed], sort_bin_shuffle[_x2]:B"
+
+
+def dataset_spec(v: Any) -> str | None:
+    return None  # checked when the dataset is built (kit.data.make_dataset), with its own message
+
+
+def _k(section: str, name: str, type_: str, default: Any, doc: str, check: Check | None = None) -> Key:
+    return Key(name=name, type=type_, default=default, doc=doc, check=check, section=section)
+
+
+# ---- the registry ----------------------------------------------------------------------
+
+_KEYS: list[Key] = [
+    # user code
+    _k("user code", "get_model", "callable", None, "get_model(*, epoch, step, **kwargs) -> torch.nn.Module", optional_callable),
+    _k("user code", "train_step", "callable", None, "train_step(*, model, extern_data, **kwargs): marks losses", optional_callable),
+    _k("user code", "forward_step", "callable", None, "forward_step(*, model, extern_data, **kwargs): marks outputs", optional_callable),
+    _k("user code", "forward_callback", "object", None, "object with init/process_seq/finish used by `python -m kit forward`"),
+    _k("user code", "extern_data", "dict", None, "data keys -> {'shape': (None, 40)} / {'shape': (None,), 'sparse_dim': 10} / RETURNN's {'dim': .., 'sparse': ..}"),
+    _k("user code", "model_outputs", "dict", None, "declared forward outputs, checked against mark_as_output"),
+    # data
+    _k("data", "train", "dataset", None, "training dataset (object or dict with 'class')", dataset_spec),
+    _k("data", "dev", "dataset", None, "dev dataset; evaluated after each train epoch", dataset_spec),
+    _k("data", "eval", "dataset", None, "eval dataset; evaluated after each train epoch", dataset_spec),
+    _k("data", "eval_datasets", "dict", None, "name -> dataset, evaluated after each train epoch"),
+    _k("data", "forward_data", "dataset", None, "dataset for `python -m kit forward`", dataset_spec),
+    _k("data", "batch_size", "int | dict", 5000, "frames per batch including padding (max_len * num_seqs), per key or for all keys", int_or_per_key(allow_none=False)),
+    _k("data", "max_seqs", "int", None, "maximum number of sequences per batch", optional_positive_int),
+    _k("data", "min_seq_length", "int | dict", None, "drop sequences shorter than this (per key or all keys)", int_or_per_key()),
+    _k("data", "max_seq_length", "int | dict", None, "drop sequences longer than this (per key or all keys)", int_or_per_key()),
+    _k("data", "chunking", "int | str | tuple | dict", None, "cut training sequences into chunks: size, 'size:step', (size, step), per-key dicts", chunking_spec),
+    _k("data", "min_chunk_size", "int | dict", None, "drop final chunks shorter than this", int_or_per_key()),
+    _k("data", "chunking_in_eval", "bool", False, "also chunk eval datasets (RETURNN never does)", boolean),
+    _k("data", "seq_ordering", "str", None, "override the datasets' own seq_ordering for training", seq_ordering_spec),
+    _k("data", "torch_dataloader_opts", "dict", None, "{'num_workers': k, ...}; workers never duplicate data"),
+    _k("data", "random_seed", "int", 42, "seed for model init, data order and training randomness", non_negative_int),
+    # training loop
+    _k("training", "num_epochs", "int", 1, "final (sub)epoch to train", positive_int),
+    _k("training", "start_epoch", "int | str", "auto", "first epoch to train ('auto': continue after the newest checkpoint)"),
+    _k("training", "accum_grad_multiple_step", "int | callable", 1, "micro-batches per update; gradients are summed, not averaged", int_or_callable),
+    _k("training", "torch_amp", "str | dict", None, "autocast dtype: 'float16' / 'bfloat16' / {'dtype': .., 'grad_scaler': {..}}", amp_spec),
+    _k("training", "grad_scaler", "dict | bool", None, "GradScaler options; default: on for float16 only; False disables"),
+    _k("training", "stop_on_nonfinite_train_score", "bool", True, "check losses and grad norm before each update; raise NonFiniteLossError", boolean),
+    _k("training", "nonfinite_policy", "str", "raise", "'raise' or 'skip' a non-finite update", one_of("raise", "skip")),
+    _k("training", "num_allowed_consec_invalid_gradient_steps", "int", 10, "with nonfinite_policy='skip': stop after this many skipped updates in a row", non_negative_int),
+    _k("training", "log_every_n_steps", "int", 10, "interval (in steps) of the per-step log line", positive_int),
+    _k("training", "log_verbosity", "int", 3, "RETURNN-style verbosity; >=4 logs every step", non_negative_int),
+    _k("training", "torch_log_memory_usage", "bool", False, "add device memory to log lines", boolean),
+    _k("training", "device", "str", None, "None: cuda, then mps, then cpu; 'gpu' requires a GPU; PT_DEVICE env var overrides", device_spec),
+    _k("training", "torch_distributed", "dict", None, "DDP options when run under torchrun"),
+    _k("training", "forward_auto_split_batch_on_oom", "bool", True, "split a forward batch in halves on CUDA OOM", boolean),
+    _k("training", "debug_hook", "callable", None, "callable(DebugContext) called on debug events (replaces debug_shell_before_train_loop)", optional_callable),
+    # optimizer and learning rate
+    _k("optimizer", "optimizer", "dict | class | callable", None, "{'class': 'adamw' | dotted path | type, **kwargs} (no 'lr': use learning_rate)", optimizer_spec),
+    _k("optimizer", "learning_rate", "float", 1.0, "initial learning rate", non_negative_number),
+    _k("optimizer", "learning_rates", "list | dict", None, "learning rate per epoch (list from epoch 1, or dict epoch -> lr)", learning_rates_spec),
+    _k("optimizer", "learning_rate_control", "str", "constant", "constant | newbob | newbob_abs | newbob_multi_epoch", lr_control_spec),
+    _k("optimizer", "learning_rate_control_error_measure", "str", None, "score key newbob looks at (default: first dev score, with a warning)", optional_str),
+    _k("optimizer", "learning_rate_control_relative_error_relative_lr", "bool", False, "newbob: scale the relative error by the learning rate ratio", boolean),
+    _k("optimizer", "learning_rate_control_min_num_epochs_per_new_lr", "int", 0, "newbob: keep a new lr at least this many epochs", non_negative_int),
+    _k("optimizer", "learning_rate_decay", "float", 0.5, "newbob: lr factor when the error does not improve enough", positive_number),
+    _k("optimizer", "learning_rate_growth", "float", 1.0, "newbob: lr factor when the error improves", positive_number),
+    _k("optimizer", "min_learning_rate", "float", 0.0, "lower bound for newbob", non_negative_number),
+    _k("optimizer", "newbob_relative_error_threshold", "float", -0.01, "newbob: decay when relative error change > this"),
+    _k("optimizer", "newbob_error_threshold", "float", -0.01, "newbob_abs: decay when absolute error change > this"),
+    _k("optimizer", "newbob_learning_rate_decay", "float", None, "alias of learning_rate_decay (RETURNN)", optional_non_negative_number),
+    _k("optimizer", "newbob_multi_num_epochs", "int", 5, "newbob_multi_epoch: epochs averaged", positive_int),
+    _k("optimizer", "newbob_multi_update_interval", "int", None, "newbob_multi_epoch: epochs between lr checks (default newbob_multi_num_epochs)", optional_positive_int),
+    _k("optimizer", "dynamic_learning_rate", "callable", None, "f(*, global_train_step, epoch, epoch_continuous, learning_rate, **kw) -> lr, every step", optional_callable),
+    _k("optimizer", "gradient_clip", "float", None, "clip each gradient value to [-v, v]", optional_non_negative_number),
+    _k("optimizer", "gradient_clip_global_norm", "float", None, "clip the global gradient norm to this", optional_non_negative_number),
+    _k("optimizer", "gradient_clip_norm", "float", None, "alias of gradient_clip_global_norm (RETURNN)", optional_non_negative_number),
+    _k("optimizer", "gradient_noise", "float", None, "add Gaussian noise with this stddev to gradients", optional_non_negative_number),
+    _k("optimizer", "weight_decay_modules_blacklist", "list", None, "module types whose params never decay (default: norms, Embedding)"),
+    _k("optimizer", "weight_decay_custom_include_check", "callable", None, "f(*, module, param_name, param, **kw) -> bool | None", optional_callable),
+    _k("optimizer", "param_groups_custom", "callable", None, "f(*, model, **kw) -> list of param group dicts (may hold learning_rate_multiplier)", optional_callable),
+    # files and checkpoints
+    _k("checkpoints", "model", "str", None, "checkpoint path prefix: epoch e is {model}.{e:03d}.pt", optional_str),
+    _k("checkpoints", "learning_rate_file", "str", None, "score table file (default {model}.scores.json beside the checkpoints)", optional_str),
+    _k("checkpoints", "save_interval", "int", 1, "save a checkpoint every N epochs (and always the final one)", positive_int),
+    _k("checkpoints", "save_every_n_steps", "int", None, "also save a step checkpoint every N train steps", optional_positive_int),
+    _k("checkpoints", "cleanup_old_models", "bool | dict", None, "keep_last_n, keep_best_n, keep, dry_run", cleanup_spec),
+    _k("checkpoints", "preload_from_files", "dict", None, "name -> {filename, prefix, checkpoint_key, ignore_params, ..., init_for_train}"),
+    _k("checkpoints", "load_model_post_hooks", "list", None, "callables f(*, model, **kw) run after loading weights"),
+    _k("checkpoints", "load", "str", None, "checkpoint file to start from"),
+    _k("checkpoints", "load_epoch", "int", None, "epoch checkpoint to start from", optional_positive_int),
+    _k("checkpoints", "import_model_train_epoch1", "str", None, "initialize epoch 1 from this checkpoint (model only)", optional_str),
+]
+
+KEYS: dict[str, Key] = {k.name: k for k in _KEYS}
+
+# RETURNN keys kit deliberately does not take; each maps to what to use instead.
+REPLACED_KEYS: dict[str, str] = {
+    "debug_shell_before_train_loop": (
+        "'debug_shell_before_train_loop' is not supported: a terminal shell cannot run in a notebook; "
+        "set 'debug_hook' (e.g. kit.debug.post_mortem) instead"
+    ),
+}
+
+
+def config_reference_markdown() -> str:
+    """The generated ``docs/config.md`` text."""
+    lines = [
+        "# Config keys",
+        "",
+        "Generated from `kit/config_keys.py` by `python -m kit config-docs`; do not edit by hand.",
+        "",
+    ]
+    sections: dict[str, list[Key]] = {}
+    for key in _KEYS:
+        sections.setdefault(key.section, []).append(key)
+    for section, keys in sections.items():
+        lines += [f"## {section}", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for key in keys:
+            doc, type_ = key.doc.replace("|", "\\|"), key.type.replace("|", "\\|")
+            lines.append(f"| `{key.name}` | {type_} | `{key.default!r}` | {doc} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""``Batch`` and ``Field``: what user code receives as ``extern_data``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Field:
+    """One data key of a batch: a zero-padded tensor plus per-sequence lengths.
+
+    ``tensor`` is ``[B, T, ...]`` for keys with a time axis (``lengths`` int32 ``[B]`` on
+    the CPU) and ``[B, ...]`` for keys without one (``lengths`` is None).
+    """
+
+    tensor: torch.Tensor
+    lengths: torch.Tensor | None = None
+    sparse_dim: int | None = None
+
+    def mask(self) -> torch.Tensor:
+        """Bool ``[B, T]`` on the tensor's device: True for real frames, False for padding."""
+        if self.lengths is None:
+            raise ValueError("this field has no time axis, so it has no mask")
+        time = torch.arange(self.tensor.shape[1], device=self.tensor.device)
+        return time[None, :] < self.lengths.to(self.tensor.device, non_blocking=True)[:, None]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Field:
+        return Field(self.tensor.to(device, non_blocking=non_blocking), self.lengths, self.sparse_dim)
+
+    def pin_memory(self) -> Field:
+        return Field(self.tensor.pin_memory(), self.lengths, self.sparse_dim)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def num_frames(self) -> int:
+        """Real (unpadded) frames, counted on the CPU without a device sync."""
+        return int(self.lengths.sum()) if self.lengths is not None else self.tensor.shape[0]
+
+    def __repr__(self) -> str:
+        sparse = f", sparse_dim={self.sparse_dim}" if self.sparse_dim is not None else ""
+        lengths = "" if self.lengths is None else f", lengths={self.lengths.tolist()}"
+        return f"Field({tuple(self.tensor.shape)}, {self.tensor.dtype}{sparse}{lengths})"
+
+
+@dataclass
+class Batch(Mapping[str, Field]):
+    """A padded batch of sequences: ``batch["data"].tensor``, ``batch.seq_tags``, ...
+
+    ``complete_frac`` is the fraction of the epoch done once this batch is consumed
+    (RETURNN's ``complete_frac``), ``seq_idx`` the sequence indices in the dataset.
+    """
+
+    fields: dict[str, Field]
+    seq_tags: list[str] = field(default_factory=list)
+    seq_idx: list[int] = field(default_factory=list)
+    epoch: int = 1
+    complete_frac: float | None = None
+    batch_idx: int = 0  # position of this batch in its epoch (0-based)
+
+    def __getitem__(self, key: str) -> Field:
+        try:
+            return self.fields[key]
+        except KeyError:
+            raise KeyError(f"batch has no data key {key!r}; it has {sorted(self.fields)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.fields)
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_tags)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        moved = {k: f.to(device, non_blocking=non_blocking) for k, f in self.fields.items()}
+        return Batch(moved, self.seq_tags, self.seq_idx, self.epoch, self.complete_frac, self.batch_idx)
+
+    def pin_memory(self) -> Batch:
+        pinned = {k: f.pin_memory() for k, f in self.fields.items()}
+        return Batch(pinned, self.seq_tags, self.seq_idx, self.epoch, self.complete_frac, self.batch_idx)
+
+    def select(self, index: slice | list[int]) -> Batch:
+        """A sub-batch of some sequences (time axes cut to the longest selected sequence)."""
+        idx = list(range(self.num_seqs))[index] if isinstance(index, slice) else list(index)
+        sel = torch.tensor(idx, dtype=torch.long)
+        fields = {}
+        for key, f in self.fields.items():
+            tensor = f.tensor.index_select(0, sel.to(f.tensor.device))
+            lengths = None
+            if f.lengths is not None:
+                lengths = f.lengths.index_select(0, sel)
+                max_len = int(lengths.max()) if len(idx) else 0
+                tensor = tensor[:, :max_len]
+            fields[key] = Field(tensor, lengths, f.sparse_dim)
+        return Batch(
+            fields,
+            [self.seq_tags[i] for i in idx],
+            [self.seq_idx[i] for i in idx] if self.seq_idx else [],
+            self.epoch,
+            self.complete_frac,
+            self.batch_idx,
+        )
+
+    def summary(self) -> str:
+        """Tags, shapes, dtypes, value ranges: appended to errors from user code."""
+        tags = self.seq_tags[:5] + (["..."] if len(self.seq_tags) > 5 else [])
+        lines = [f"batch of {self.num_seqs} seqs (epoch {self.epoch}, batch {self.batch_idx}), tags {tags}"]
+        for key, f in self.fields.items():
+            t = f.tensor
+            desc = f"  {key}: shape {tuple(t.shape)} {t.dtype}"
+            if t.numel() and t.device.type != "meta":
+                desc += f", min {t.min().item():.4g}, max {t.max().item():.4g}"
+                if f.sparse_dim is not None:
+                    bad = int(((t < 0) | (t >= f.sparse_dim)).sum())
+                    if bad:
+                        desc += f", {bad} labels outside [0, {f.sparse_dim})"
+            if f.lengths is not None:
+                desc += f", lengths {int(f.lengths.min())}..{int(f.lengths.max())}"
+            lines.append(desc)
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={f!r}" for k, f in self.fields.items())
+        return f"Batch({self.num_seqs} seqs, epoch={self.epoch}, {inner})"
