@@ -25,7 +25,9 @@ _MISSING = object()
 
 def suggest(name: str, choices: list[str] | None = None, cutoff: float = 0.75) -> str | None:
     """The closest known config key to ``name``, or None."""
-    matches = difflib.get_close_matches(name, choices if choices is not None else list(KEYS), n=1, cutoff=cutoff)
+    matches = difflib.get_close_matches(
+        name, choices if choices is not None else list(KEYS), n=1, cutoff=cutoff
+    )
     return matches[0] if matches else None
 
 
@@ -53,6 +55,11 @@ class Config(Mapping[str, Any]):
     """Training configuration: known keys are validated, config-file globals are kept."""
 
     def __init__(self, items: Mapping[str, Any] | None = None, /, **kwargs: Any):
+        if isinstance(items, (str, os.PathLike)):
+            raise ConfigError(
+                f"Config({os.fspath(items)!r}): a file path is not a dict of settings; "
+                "use kit.Config.from_file(path, **overrides)"
+            )
         self._values: dict[str, Any] = {}
         self._user_globals: dict[str, Any] = {}  # config-file helpers: constants, functions, imports
         self.source: str | None = None
@@ -73,12 +80,20 @@ class Config(Mapping[str, Any]):
             with open(path, encoding="utf-8") as f:
                 source = f.read()
         except OSError as exc:
-            raise ConfigError(f"config file '{path}': cannot read it ({exc.strerror})") from None
-        if source.startswith("#!"):
-            source = "#" + source  # '#!rnn.py' and shebangs are comments anyway; keep line numbers
+            raise ConfigError(f"config file '{path}': cannot read it ({exc.strerror or exc})") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file '{path}': cannot read it (not UTF-8 text: {exc.reason})"
+            ) from None
+        # '#!rnn.py' (RETURNN's marker) and shebangs are Python comments already; nothing to strip.
         namespace: dict[str, Any] = {"__file__": os.path.abspath(path), "__name__": "__kit_config__"}
-        code = compile(source, path, "exec")
-        exec(code, namespace)  # noqa: S102 - the user's own config file, like RETURNN
+        code = compile(source, path, "exec")  # a SyntaxError names the file and line itself
+        try:
+            exec(code, namespace)  # noqa: S102 - the user's own config file, like RETURNN
+        except Exception as exc:
+            raise ConfigError(
+                f"config file '{path}': running it raised {type(exc).__name__}: {exc} (traceback above)"
+            ) from exc
         known, user, problems = {}, {}, []
         for name, value in namespace.items():
             if name.startswith("_") or isinstance(value, types.ModuleType):
@@ -91,7 +106,7 @@ class Config(Mapping[str, Any]):
                 problems.append(f"unknown config key '{name}' in '{path}' — did you mean '{guess}'?")
             else:
                 user[name] = value
-        problems += _value_problems(known)
+        problems += [f"{p} (in '{path}')" for p in _value_problems(known)]
         if problems:
             raise ConfigError(problems)
         config = cls()
@@ -113,7 +128,7 @@ class Config(Mapping[str, Any]):
         return self
 
     def copy(self) -> Config:
-        other = Config()
+        other = type(self)()
         other._values = dict(self._values)
         other._user_globals = dict(self._user_globals)
         other.source = self.source
@@ -134,10 +149,18 @@ class Config(Mapping[str, Any]):
         raise KeyError(_unknown_key_problem(key))
 
     value = typed_value
-    get = typed_value  # type: ignore[assignment]
+
+    def get(self, key: str, default: Any = _MISSING) -> Any:  # type: ignore[override]
+        """Like :meth:`typed_value`, but a key that is neither set nor known gives ``default`` (None),
+        as ``Mapping.get`` promises, instead of raising."""
+        if default is _MISSING and not self.has(key) and key not in KEYS:
+            return None
+        return self.typed_value(key, default)
 
     def int(self, key: str, default: Any = _MISSING) -> int | None:
         v = self.typed_value(key, default)
+        if isinstance(v, float) and not v.is_integer():
+            raise ConfigError(f"config key '{key}': got {v!r}, expected an int")
         return None if v is None else self._convert(key, v, int)
 
     def float(self, key: str, default: Any = _MISSING) -> float | None:
@@ -156,12 +179,13 @@ class Config(Mapping[str, Any]):
 
     @staticmethod
     def _convert(key: str, value: Any, type_: type) -> Any:
+        expected = "an int" if type_ is int else f"a {type_.__name__}"
         if isinstance(value, bool):
-            raise ConfigError(f"config key '{key}': got {value!r}, expected a {type_.__name__}")
+            raise ConfigError(f"config key '{key}': got {value!r}, expected {expected}")
         try:
             return type_(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"config key '{key}': got {value!r}, expected a {type_.__name__}") from None
+            raise ConfigError(f"config key '{key}': got {value!r}, expected {expected}") from None
 
     def has(self, key: str) -> bool:
         """Whether the key was set explicitly (registry defaults do not count)."""

@@ -1,0 +1,23 @@
+"""Repository-level pytest setup (loaded for every pytest run inside this checkout).
+
+Applies ``notebooks/nbval_sanitize.cfg`` to nbval when that file exists and no
+``--nbval-sanitize-with`` was given, so that `python -m pytest` stays the one test command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SANITIZE_FILE = Path(__file__).resolve().parent / "notebooks" / "nbval_sanitize.cfg"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    option = config.option
+    if (
+        hasattr(option, "nbval_sanitize_with")
+        and option.nbval_sanitize_with is None
+        and SANITIZE_FILE.is_file()
+    ):
+        option.nbval_sanitize_with = str(SANITIZE_FILE)
