@@ -252,6 +252,8 @@ _KEYS: list[Key] = [
     _k("optimizer", "learning_rate_growth", "float", 1.0, "newbob: lr factor when the error improves", positive_number),
     _k("optimizer", "min_learning_rate", "float", 0.0, "lower bound for newbob", non_negative_number),
     _k("optimizer", "newbob_relative_error_threshold", "float", -0.01, "newbob: decay when relative error change > this"),
+    _k("optimizer", "newbob_relative_error_grow_threshold", "float", None, "newbob_multi_epoch: grow when the mean relative error change < this (default newbob_relative_error_threshold)"),
+    _k("optimizer", "newbob_relative_error_div_by_old", "bool", False, "newbob: relative error = (new - old) / |old| instead of / |new|", boolean),
     _k("optimizer", "newbob_error_threshold", "float", -0.01, "newbob_abs: decay when absolute error change > this"),
     _k("optimizer", "newbob_learning_rate_decay", "float", None, "alias of learning_rate_decay (RETURNN)", optional_non_negative_number),
     _k("optimizer", "newbob_multi_num_epochs", "int", 5, "newbob_multi_epoch: epochs averaged", positive_int),

@@ -1,0 +1,370 @@
+"""``Updater``: the optimizer built from config ``optimizer``, parameter groups, LR, clipping, noise.
+
+>>> updater = Updater(Config(optimizer={"class": "adamw", "weight_decay": 0.01}, learning_rate=1e-3), model)
+>>> updater.set_learning_rate(5e-4)       # every group: 5e-4 × its learning_rate_multiplier
+>>> norm = updater.clip_gradients()      # a device tensor (or None); never read back here
+
+Nothing here moves a number from the device to the host: clipping returns the total norm as a
+tensor, and learning rates are plain Python floats set on the parameter groups.
+
+``optimizer`` may be ``{"class": name | "pkg.mod.Class" | type | factory, **kwargs}``, an
+optimizer class, or a factory ``f(params, lr=.., **kwargs) -> Optimizer``. Like RETURNN:
+``epsilon`` is an alias of ``eps``, ``lr`` inside is refused (set ``learning_rate``), and with
+``weight_decay`` the parameters of norm layers and embeddings and all biases / 1-d parameters go
+into a second group with ``weight_decay=0``. Unlike RETURNN, an unset ``eps`` keeps torch's default
+(RETURNN sets 1e-16).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from kit.config import Config
+from kit.errors import ConfigError, KitError
+
+# options of the optimizer dict that kit consumes (RETURNN's places for them); not passed to torch
+_GROUPING_OPTS = (
+    "weight_decay_modules_blacklist",
+    "weight_decay_custom_include_check",
+    "param_groups_custom",
+)
+
+
+def default_weight_decay_blacklist() -> tuple[type, ...]:
+    """Module types whose parameters never decay: norm layers and embeddings."""
+    types: list[type] = [
+        torch.nn.LayerNorm,
+        torch.nn.modules.batchnorm._NormBase,  # BatchNorm*, SyncBatchNorm, InstanceNorm*
+        torch.nn.GroupNorm,
+        torch.nn.Embedding,
+        torch.nn.EmbeddingBag,
+    ]
+    if hasattr(torch.nn, "RMSNorm"):
+        types.append(torch.nn.RMSNorm)
+    return tuple(types)
+
+
+def resolve_dotted(name: str, what: str) -> Any:
+    """Import ``"pkg.mod.Attr"`` (no eval)."""
+    module_name, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{what}: cannot import {name!r} ({exc})") from None
+
+
+def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
+    """Lower-case name -> class for every optimizer in ``torch.optim``."""
+    return {
+        name.lower(): cls
+        for name, cls in vars(torch.optim).items()
+        if isinstance(cls, type)
+        and issubclass(cls, torch.optim.Optimizer)
+        and cls is not torch.optim.Optimizer
+    }
+
+
+def resolve_optimizer_class(spec: Any) -> type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer]:
+    """An optimizer class (by torch.optim name, case-insensitive, dotted path or type) or a factory."""
+    if isinstance(spec, str):
+        if "." in spec:
+            spec = resolve_dotted(spec, "config key 'optimizer'")
+        else:
+            classes = optimizer_classes()
+            if spec.lower() not in classes:
+                raise ConfigError(
+                    f"config key 'optimizer': unknown optimizer class {spec!r}; torch.optim has "
+                    f"{', '.join(sorted(classes))} (or give a dotted path 'pkg.mod.Class', a class, or a factory)"
+                )
+            return classes[spec.lower()]
+    if isinstance(spec, type):
+        if not issubclass(spec, torch.optim.Optimizer):
+            raise ConfigError(
+                f"config key 'optimizer': {spec.__qualname__} is not a torch.optim.Optimizer subclass"
+            )
+        return spec
+    if callable(spec):
+        return spec
+    raise ConfigError(
+        f"config key 'optimizer': 'class' must be a name, a dotted path, a class or a factory, got {spec!r}"
+    )
+
+
+def _accepted_kwargs(cls: type) -> set[str] | None:
+    """The constructor's keyword names, or None when it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params} - {"params"}
+
+
+class Updater:
+    """Wraps the ``torch.optim.Optimizer`` built from config; sets LR, clips and noises gradients."""
+
+    def __init__(self, config: Config, model: torch.nn.Module):
+        self.config = config
+        self.model = model
+        self.learning_rate: float = float(config.float("learning_rate"))
+        self._grad_clip = config.float("gradient_clip")
+        self._grad_clip_norm = _clip_norm_setting(config)
+        self._grad_noise = config.float("gradient_noise")
+        self.optimizer: torch.optim.Optimizer = self._create_optimizer()
+        self.set_learning_rate(self.learning_rate)
+
+    # ---- construction -------------------------------------------------------------------
+
+    def _optimizer_opts(self) -> dict[str, Any]:
+        spec = self.config.typed_value("optimizer")
+        if spec is None:
+            raise ConfigError(
+                "config key 'optimizer' is not set; training needs it, e.g. optimizer={'class': 'adamw'} "
+                "(the learning rate goes into 'learning_rate')"
+            )
+        if isinstance(spec, dict):
+            opts = dict(spec)
+        elif callable(spec):
+            opts = {"class": spec}
+        else:
+            raise ConfigError(
+                f"config key 'optimizer': got {spec!r}, expected a dict {{'class': 'adamw', ...}}, a class or a factory"
+            )
+        problems = []
+        if "class" not in opts:
+            problems.append("config key 'optimizer': the dict needs a 'class' entry, e.g. {'class': 'adamw'}")
+        for bad in ("lr", "learning_rate"):
+            if bad in opts:
+                problems.append(
+                    f"config key 'optimizer': no {bad!r} inside 'optimizer'; set the config key 'learning_rate' instead"
+                )
+        for name in _GROUPING_OPTS:
+            if name in opts and self.config.has(name):
+                problems.append(f"'{name}' is set both inside 'optimizer' and as a config key; set it once")
+        if problems:
+            raise ConfigError(problems)
+        for name in _GROUPING_OPTS:
+            if name not in opts and self.config.has(name):
+                opts[name] = self.config.typed_value(name)
+        return opts
+
+    def _create_optimizer(self) -> torch.optim.Optimizer:
+        opts = self._optimizer_opts()
+        cls = resolve_optimizer_class(opts.pop("class"))
+        multiplier = float(opts.pop("learning_rate_multiplier", 1.0))
+        grouping = {name: opts.pop(name, None) for name in _GROUPING_OPTS}
+        accepted = _accepted_kwargs(cls) if isinstance(cls, type) else None
+        if "epsilon" in opts:
+            if "eps" in opts:
+                raise ConfigError("config key 'optimizer': set 'eps' or its alias 'epsilon', not both")
+            if accepted is None or "eps" in accepted:
+                opts["eps"] = opts.pop("epsilon")
+        if accepted is not None:
+            unknown = sorted(set(opts) - accepted)
+            if unknown:
+                raise ConfigError(
+                    f"config key 'optimizer': {cls.__name__} does not accept {', '.join(map(repr, unknown))}; "
+                    f"it accepts {', '.join(sorted(accepted - {'lr'}))}"
+                )
+        groups = self._param_groups(cls, opts, **grouping)
+        for group in groups:
+            group["learning_rate_multiplier"] = float(group.get("learning_rate_multiplier", 1.0)) * multiplier
+            group["lr"] = self.learning_rate * group["learning_rate_multiplier"]
+        optimizer = cls(groups, lr=self.learning_rate * multiplier, **opts)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"config key 'optimizer': the factory returned {type(optimizer).__name__}, not an Optimizer"
+            )
+        return optimizer
+
+    def _param_groups(
+        self,
+        cls: Any,
+        opts: dict[str, Any],
+        *,
+        weight_decay_modules_blacklist: Iterable[Any] | None,
+        weight_decay_custom_include_check: Callable[..., bool | None] | None,
+        param_groups_custom: Callable[..., list[dict[str, Any]]] | None,
+    ) -> list[dict[str, Any]]:
+        if param_groups_custom is not None:
+            groups = param_groups_custom(model=self.model, optimizer_class=cls, optimizer_opts=dict(opts))
+            if not isinstance(groups, (list, tuple)) or not all(
+                isinstance(g, dict) and "params" in g for g in groups
+            ):
+                raise ConfigError(
+                    "param_groups_custom must return a list of dicts, each with a 'params' entry"
+                )
+            return [dict(g, params=list(g["params"])) for g in groups]
+        if not opts.get("weight_decay"):
+            return [{"params": list(self.model.parameters())}]
+        blacklist = (
+            default_weight_decay_blacklist()
+            if weight_decay_modules_blacklist is None
+            else _blacklist_types(weight_decay_modules_blacklist)
+        )
+        decay, no_decay = self._split_weight_decay(blacklist, weight_decay_custom_include_check)
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def _split_weight_decay(
+        self, blacklist: tuple[type, ...], include_check: Callable[..., bool | None] | None
+    ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
+        seen: set[int] = set()  # shared parameters appear under several modules: each goes in once
+        for module_name, module in self.model.named_modules():
+            for local_name, param in module.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                full_name = f"{module_name}.{local_name}" if module_name else local_name
+                include = None
+                if include_check is not None:
+                    include = include_check(
+                        module=module,
+                        param_name=full_name,
+                        param=param,
+                        full_param_name=full_name,
+                        module_name=module_name,
+                    )
+                    if include is not None and not isinstance(include, bool):
+                        raise ConfigError(
+                            f"weight_decay_custom_include_check returned {include!r} for {full_name!r}; expected True, False or None"
+                        )
+                if include is None:
+                    include = not (
+                        local_name.endswith("bias") or param.dim() <= 1 or isinstance(module, blacklist)
+                    )
+                (decay if include else no_decay).append(param)
+        return decay, no_decay
+
+    # ---- learning rate ------------------------------------------------------------------
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set every group's lr to ``lr × learning_rate_multiplier`` (Python floats, no tensors)."""
+        self.learning_rate = float(lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate * group.get("learning_rate_multiplier", 1.0)
+
+    # ---- gradients ----------------------------------------------------------------------
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _grads(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.parameters() if p.grad is not None]
+
+    def apply_gradient_noise(self) -> None:
+        """Add truncated-normal noise (config ``gradient_noise`` = stddev) to each gradient; no-op if unset."""
+        std = self._grad_noise
+        if not std:
+            return
+        with torch.no_grad():
+            for param in self._grads():
+                noise = torch.empty_like(param.grad)
+                torch.nn.init.trunc_normal_(noise, std=std, a=-2 * std, b=2 * std)
+                param.grad.add_(noise)
+
+    def clip_gradients(self, need_grad_norm: bool = False) -> torch.Tensor | None:
+        """Clip by value (``gradient_clip``), then by global norm (``gradient_clip_global_norm``).
+
+        Returns the total gradient norm *before* norm clipping as a device tensor when norm clipping
+        is configured or ``need_grad_norm`` is True, else None. Never synchronizes.
+        """
+        params = self._grads()
+        if self._grad_clip:
+            torch.nn.utils.clip_grad_value_(params, self._grad_clip)
+        if self._grad_clip_norm:
+            return torch.nn.utils.clip_grad_norm_(params, self._grad_clip_norm)
+        if need_grad_norm:
+            return total_grad_norm(params)
+        return None
+
+    def step(self, *, grad_scaler: Any = None, need_grad_norm: bool = False) -> torch.Tensor | None:
+        """Unscale (AMP), add noise, clip, and step the optimizer; returns the grad norm (see clip_gradients)."""
+        if grad_scaler is not None:
+            grad_scaler.unscale_(self.optimizer)
+        self.apply_gradient_noise()
+        norm = self.clip_gradients(need_grad_norm=need_grad_norm)
+        if grad_scaler is not None:
+            grad_scaler.step(self.optimizer)
+            grad_scaler.update()
+        else:
+            self.optimizer.step()
+        return norm
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ---- state --------------------------------------------------------------------------
+
+    def param_names(self) -> list[str]:
+        """Names of the optimizer's parameters in optimizer order (saved with the state)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(self.parameters())]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_class": type(self.optimizer).__qualname__,
+            "learning_rate": self.learning_rate,
+            "param_names": self.param_names(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        opt_state = state["optimizer"]
+        saved_groups = opt_state.get("param_groups", [])
+        if len(saved_groups) != len(self.optimizer.param_groups):
+            raise KitError(
+                f"optimizer state has {len(saved_groups)} parameter groups, the current optimizer has "
+                f"{len(self.optimizer.param_groups)} (did weight_decay or param_groups_custom change?)"
+            )
+        saved_names, names = state.get("param_names"), self.param_names()
+        if saved_names is not None and list(saved_names) != names:
+            missing = sorted(set(names) - set(saved_names))
+            extra = sorted(set(saved_names) - set(names))
+            raise KitError(
+                "optimizer state does not match the model's parameters: "
+                f"not in the state: {missing or 'none'}; not in the model: {extra or 'none'}"
+                + ("" if missing or extra else "; same names in another order or grouping")
+            )
+        self.optimizer.load_state_dict(opt_state)
+        self.learning_rate = float(state.get("learning_rate", self.learning_rate))
+
+
+def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the gradients, as a device tensor (no sync)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norms = [torch.linalg.vector_norm(g.detach(), 2.0) for g in grads]
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), 2.0)
+
+
+def _blacklist_types(items: Iterable[Any]) -> tuple[type, ...]:
+    if isinstance(items, (str, type)) or not isinstance(items, Iterable):
+        raise ConfigError(
+            f"weight_decay_modules_blacklist: got {items!r}, expected a list of module types or dotted names"
+        )
+    types = []
+    for item in items:
+        mod = resolve_dotted(item, "weight_decay_modules_blacklist") if isinstance(item, str) else item
+        if not (isinstance(mod, type) and issubclass(mod, torch.nn.Module)):
+            raise ConfigError(f"weight_decay_modules_blacklist: {item!r} is not a torch.nn.Module subclass")
+        types.append(mod)
+    return tuple(types)
+
+
+def _clip_norm_setting(config: Config) -> float | None:
+    main, alias = config.float("gradient_clip_global_norm"), config.float("gradient_clip_norm")
+    if main is not None and alias is not None and main != alias:
+        raise ConfigError(
+            f"'gradient_clip_global_norm' ({main}) and its alias 'gradient_clip_norm' ({alias}) disagree; set one"
+        )
+    return main if main is not None else alias

@@ -1,0 +1,438 @@
+"""``ScoreTable``: one row per epoch — learning rate, scores, meta — in an atomically written file.
+
+>>> table = ScoreTable("runs/demo/model.scores.json")
+>>> table.set_learning_rate(1, 1e-3)
+>>> table.set_scores(1, {"train_loss_ce": 2.3, "dev_loss_ce": 2.1, "dev_loss_fer": 0.4}, errors={"dev_loss_fer"})
+>>> table.save()
+>>> table.to_pandas()  # doctest: +SKIP
+
+The table is also the store of the learning-rate control: the lr of each epoch lives here,
+so a restart continues the schedule (newbob included) from the file.
+
+File format: JSON ``{"format": "kit-scores", "version": 1, "error_keys": [...], "epochs":
+{"1": {"learning_rate": .., "scores": {..}, "meta": {..}}}}``. Non-finite numbers are written
+as Python's json module writes them (``NaN``, ``Infinity``, ``-Infinity``) and read back
+exactly; this is not strict JSON, but every JSON reader in Python, pandas and JavaScript's
+JSON5 accept it. ``ScoreTable.load`` also reads RETURNN's learning-rate file
+(``{1: EpochData(learningRate=.., error={..}), ...}``) — parsed with :mod:`ast`, never
+evaluated; its keys are kept as they are. Saving always writes kit's JSON.
+
+This module knows nothing of torch; pandas is imported only by :meth:`ScoreTable.to_pandas`.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import html
+import json
+import math
+import numbers
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kit.errors import KitError
+from kit.fileio import atomic_write_text
+
+FORMAT = "kit-scores"
+VERSION = 1
+_META_PREFIX = ":meta:"  # RETURNN stores meta inside the error dict with this prefix
+
+
+class ScoreFileError(KitError, ValueError):
+    """A score / learning-rate file cannot be read (or would need code execution to be read)."""
+
+
+def _empty_row() -> dict[str, Any]:
+    return {"learning_rate": None, "scores": {}, "meta": {}}
+
+
+class ScoreTable:
+    """Per-epoch learning rate, scores (``train_loss_ce``, ``dev_loss_fer``, ...) and meta."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path: str | None = os.fspath(path) if path is not None else None
+        self._rows: dict[int, dict[str, Any]] = {}
+        self._error_keys: set[str] = set()
+
+    # ---- reading ------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, missing_ok: bool = False) -> ScoreTable:
+        """Read a kit score file or a RETURNN learning-rate file (never executes anything).
+
+        With ``missing_ok=True`` a missing file gives an empty table bound to ``path``.
+        """
+        path = os.fspath(path)
+        table = cls(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            if missing_ok:
+                return table
+            raise
+        table.load_state_dict(_parse_text(text, path))
+        return table
+
+    @property
+    def epochs(self) -> list[int]:
+        return sorted(self._rows)
+
+    @property
+    def error_keys(self) -> set[str]:
+        """Score keys that are errors (marked ``as_error=True``), not differentiable losses."""
+        return set(self._error_keys)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, epoch: object) -> bool:
+        return epoch in self._rows
+
+    def row(self, epoch: int) -> dict[str, Any]:
+        """``{"learning_rate": .., "scores": {..}, "meta": {..}}`` (a copy). KeyError if absent."""
+        if epoch not in self._rows:
+            raise KeyError(f"no row for epoch {epoch} in the score table (epochs: {self.epochs})")
+        return copy.deepcopy(self._rows[epoch])
+
+    def learning_rate(self, epoch: int) -> float | None:
+        row = self._rows.get(epoch)
+        return None if row is None else row["learning_rate"]
+
+    def scores(self, epoch: int) -> dict[str, float]:
+        row = self._rows.get(epoch)
+        return {} if row is None else dict(row["scores"])
+
+    def meta(self, epoch: int) -> dict[str, Any]:
+        row = self._rows.get(epoch)
+        return {} if row is None else copy.deepcopy(row["meta"])
+
+    def has_scores(self, epoch: int, prefix: str | None = None) -> bool:
+        """Whether epoch has any score (whose key starts with ``prefix``, e.g. ``"dev_"``)."""
+        keys = self.scores(epoch)
+        return any(prefix is None or k.startswith(prefix) for k in keys)
+
+    def best_epochs(self, key: str, n: int, lower_is_better: bool = True) -> list[int]:
+        """The ``n`` best epochs by score ``key``, best first; epochs without it or with NaN are skipped."""
+        values = [(v, e) for e in self.epochs if (v := self._rows[e]["scores"].get(key)) is not None]
+        values = [(v, e) for v, e in values if not math.isnan(v)]
+        values.sort(key=lambda ve: (ve[0] if lower_is_better else -ve[0], ve[1]))
+        return [e for _, e in values[: max(n, 0)]]
+
+    # ---- writing ------------------------------------------------------------------------
+
+    def _row(self, epoch: int) -> dict[str, Any]:
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
+        return self._rows.setdefault(int(epoch), _empty_row())
+
+    def set_learning_rate(self, epoch: int, lr: float | None) -> None:
+        self._row(epoch)["learning_rate"] = None if lr is None else float(lr)
+
+    def set_scores(self, epoch: int, scores: Mapping[str, float], *, errors: Iterable[str] = ()) -> None:
+        """Add (or overwrite) scores of ``epoch``; ``errors`` names those keys that are errors."""
+        errors = set(errors)
+        unknown = errors - set(scores)
+        if unknown:
+            raise ValueError(
+                f"set_scores: errors {sorted(unknown)} are not among the scores {sorted(scores)}"
+            )
+        values = {}
+        for key, value in scores.items():
+            if not isinstance(key, str):
+                raise ValueError(f"set_scores: score keys must be strings, got {key!r}")
+            values[key] = float(value)
+        self._row(epoch)["scores"].update(values)
+        self._error_keys.update(errors)
+
+    def set_meta(self, epoch: int, **meta: Any) -> None:
+        self._row(epoch)["meta"].update(meta)
+
+    def remove_epochs_after(self, epoch: int) -> list[int]:
+        """Forget every epoch > ``epoch`` (when rewinding to a checkpoint); returns the removed ones."""
+        removed = [e for e in self.epochs if e > epoch]
+        for e in removed:
+            del self._rows[e]
+        return removed
+
+    def save(self, path: str | os.PathLike | None = None) -> str:
+        """Write the table atomically (temp file + fsync + rename) as JSON; returns the path."""
+        target = os.fspath(path) if path is not None else self.path
+        if target is None:
+            raise KitError("ScoreTable.save(): the table has no path; pass ScoreTable(path) or save(path)")
+        atomic_write_text(target, self.to_json())
+        return target
+
+    def to_json(self) -> str:
+        state = self.state_dict()
+        state["epochs"] = {str(e): row for e, row in state["epochs"].items()}
+        return json.dumps(state, indent=1, default=_json_default, allow_nan=True) + "\n"
+
+    # ---- state --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "error_keys": sorted(self._error_keys),
+            "epochs": {e: copy.deepcopy(self._rows[e]) for e in self.epochs},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        rows: dict[int, dict[str, Any]] = {}
+        for epoch, row in dict(state.get("epochs", {})).items():
+            new = _empty_row()
+            lr = row.get("learning_rate")
+            new["learning_rate"] = None if lr is None else float(lr)
+            new["scores"] = {str(k): float(v) for k, v in dict(row.get("scores", {})).items()}
+            new["meta"] = dict(row.get("meta", {}))
+            rows[int(epoch)] = new
+        self._rows = rows
+        self._error_keys = set(state.get("error_keys", ()))
+
+    # ---- views --------------------------------------------------------------------------
+
+    def columns(self) -> list[str]:
+        """``learning_rate``, then score keys, then meta keys (first-seen order over epochs)."""
+        score_keys: dict[str, None] = {}
+        meta_keys: dict[str, None] = {}
+        for e in self.epochs:
+            score_keys.update(dict.fromkeys(self._rows[e]["scores"]))
+            meta_keys.update(dict.fromkeys(self._rows[e]["meta"]))
+        taken = {"learning_rate", *score_keys}
+        return ["learning_rate", *score_keys, *(_meta_column(k, taken) for k in meta_keys)]
+
+    def records(self) -> list[dict[str, Any]]:
+        """One flat dict per epoch (``epoch`` + the columns); meta keys clashing with scores get ``meta:``."""
+        score_keys = {k for e in self.epochs for k in self._rows[e]["scores"]} | {"learning_rate"}
+        out = []
+        for e in self.epochs:
+            row = self._rows[e]
+            rec = {"epoch": e, "learning_rate": row["learning_rate"], **row["scores"]}
+            rec.update({_meta_column(k, score_keys): v for k, v in row["meta"].items()})
+            out.append(rec)
+        return out
+
+    def to_pandas(self) -> Any:
+        """A ``pandas.DataFrame`` indexed by ``epoch``, one column per lr / score / meta key."""
+        import pandas as pd
+
+        columns = self.columns()
+        frame = pd.DataFrame.from_records(self.records(), columns=["epoch", *columns])
+        return frame.set_index("epoch")
+
+    def __repr__(self) -> str:
+        where = f" {self.path}" if self.path else ""
+        if not self._rows:
+            return f"ScoreTable({where.strip() or 'no file'}, empty)"
+        lines = [
+            f"ScoreTable{where} ({len(self._rows)} epochs, errors: {', '.join(sorted(self._error_keys)) or '-'})"
+        ]
+        for e in self.epochs:
+            row = self._rows[e]
+            lr = "-" if row["learning_rate"] is None else format_value(row["learning_rate"])
+            scores = ", ".join(f"{k} {format_value(v)}" for k, v in row["scores"].items())
+            lines.append(f"  ep {e}: lr {lr}" + (f", {scores}" if scores else ""))
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        try:
+            frame = self.to_pandas()
+        except ImportError:
+            return "<pre>" + html.escape(repr(self)) + "</pre>"
+        score_cols = ["learning_rate", *(k for k in self.columns() if k in self._all_score_keys())]
+        return frame[score_cols].to_html(float_format=lambda v: format_value(float(v)), na_rep="")
+
+    def _all_score_keys(self) -> set[str]:
+        return {k for e in self.epochs for k in self._rows[e]["scores"]}
+
+
+def _meta_column(key: str, taken: set[str]) -> str:
+    return f"meta:{key}" if key in taken else key
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return repr(value)
+
+
+# ---- parsing ----------------------------------------------------------------------------
+
+
+def _parse_text(text: str, path: str) -> dict[str, Any]:
+    stripped = text.strip()
+    if not stripped:
+        return {"epochs": {}, "error_keys": []}
+    try:
+        data = json.loads(stripped)
+    except ValueError:
+        return parse_returnn_lr_file(stripped, path)
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ScoreFileError(
+            f'score file \'{path}\': JSON but not a kit score table (no "format": "{FORMAT}")'
+        )
+    if data.get("version", VERSION) > VERSION:
+        raise ScoreFileError(
+            f"score file '{path}': version {data['version']} is newer than this kit ({VERSION})"
+        )
+    return data
+
+
+def parse_returnn_lr_file(text: str, path: str = "<text>") -> dict[str, Any]:
+    """Parse RETURNN's learning-rate file into a ScoreTable state dict, without evaluating it.
+
+    Accepts ``{epoch: EpochData(learningRate=.., error={..}), ...}`` with ``nan``/``inf``;
+    ``:meta:`` entries of ``error`` become meta; an old-format float error becomes
+    ``old_format_score``. Anything else (calls, attributes, imports) is refused.
+    """
+    try:
+        tree = ast.parse(text, filename=path, mode="eval")
+    except SyntaxError as exc:
+        raise ScoreFileError(
+            f"score file '{path}': neither kit JSON nor a RETURNN learning-rate file ({exc.msg})"
+        ) from None
+    if not isinstance(tree.body, ast.Dict):
+        raise ScoreFileError(f"score file '{path}': expected a dict epoch -> EpochData(...)")
+    epochs = {}
+    for key_node, value_node in zip(tree.body.keys, tree.body.values):
+        epoch = _literal(key_node, path)
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise ScoreFileError(f"score file '{path}': epoch keys must be ints, got {epoch!r}")
+        epochs[epoch] = _epoch_data(value_node, path)
+    return {"epochs": epochs, "error_keys": []}
+
+
+def _epoch_data(node: ast.AST, path: str) -> dict[str, Any]:
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "EpochData"):
+        raise ScoreFileError(
+            f"score file '{path}': refused {_snippet(node)!r}; only EpochData(...) entries are allowed"
+        )
+    if node.args:
+        raise ScoreFileError(f"score file '{path}': EpochData takes keyword arguments only")
+    kwargs = {kw.arg: _literal(kw.value, path) for kw in node.keywords}
+    lr = kwargs.pop("learningRate", kwargs.pop("learning_rate", None))
+    error = kwargs.pop("error", None)
+    meta = dict(kwargs.pop("meta", None) or {})
+    if kwargs:
+        raise ScoreFileError(f"score file '{path}': unexpected EpochData arguments {sorted(kwargs)}")
+    if isinstance(error, (int, float)) and not isinstance(error, bool):
+        error = {"old_format_score": error}
+    if error is not None and not isinstance(error, dict):
+        raise ScoreFileError(f"score file '{path}': EpochData error must be a dict, got {error!r}")
+    scores = {}
+    for k, v in (error or {}).items():
+        if isinstance(k, str) and k.startswith(_META_PREFIX):
+            meta[k[len(_META_PREFIX) :]] = v
+        else:
+            scores[k] = v
+    return {"learning_rate": lr, "scores": scores, "meta": meta}
+
+
+_NAMES = {
+    "nan": math.nan,
+    "inf": math.inf,
+    "NaN": math.nan,
+    "Infinity": math.inf,
+    "None": None,
+    "True": True,
+    "False": False,
+}
+
+
+def _literal(node: ast.AST, path: str) -> Any:
+    """Like ``ast.literal_eval`` plus the names nan/inf; everything else is refused."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _NAMES:
+        return _NAMES[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _literal(node.operand, path)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_literal(k, path): _literal(v, path) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, (ast.List, ast.Tuple)):
+        items = [_literal(x, path) for x in node.elts]
+        return items if isinstance(node, ast.List) else tuple(items)
+    raise ScoreFileError(
+        f"score file '{path}': refused {_snippet(node)!r}; only literals are allowed (never evaluated)"
+    )
+
+
+def _snippet(node: ast.AST) -> str:
+    text = ast.unparse(node)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# ---- log lines --------------------------------------------------------------------------
+
+
+def format_value(v: Any) -> str:
+    """RETURNN's number format: 3 decimals, or 3-digit scientific outside [1e-3, 1e3]."""
+    if isinstance(v, float):
+        if math.isfinite(v) and (abs(v) > 1.0e3 or abs(v) < 1.0e-3):
+            return f"{v:.3e}"
+        return f"{v:.3f}"
+    return str(v)
+
+
+def format_step_line(
+    epoch: int,
+    step: int,
+    losses: Mapping[str, float],
+    secs_per_step: float | None = None,
+    *,
+    stage: str = "train",
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """``"ep 3 train, step 17, ce 0.512, fer 0.120, 0.081 sec/step"`` (RETURNN's per-step line)."""
+    parts = [f"ep {epoch} {stage}", f"step {step}"]
+    parts += [f"{k} {format_value(float(v))}" for k, v in losses.items()]
+    parts += [f"{k} {format_value(v)}" for k, v in (extra or {}).items()]
+    if secs_per_step is not None:
+        parts.append(f"{secs_per_step:.3f} sec/step")
+    return ", ".join(parts)
+
+
+def split_score_key(key: str) -> tuple[str, str]:
+    """``"dev_loss_ce"`` -> ``("dev", "ce")``; legacy ``"dev_score"`` -> ``("dev", "score")``."""
+    if "_loss_" in key:
+        dataset, name = key.split("_loss_", 1)
+        return dataset, name
+    dataset, _, name = key.partition("_")
+    return dataset, name or key
+
+
+def format_epoch_summary(
+    epoch: int,
+    scores: Mapping[str, float],
+    *,
+    error_keys: Iterable[str] = (),
+    learning_rate: float | None = None,
+    secs: float | None = None,
+) -> str:
+    """``"ep 3, lr 1.000e-03, train: score ce 0.512 error fer 0.120, dev: score ce 0.601"``."""
+    errors = set(error_keys)
+    groups: dict[str, dict[str, list[str]]] = {}
+    for key, value in scores.items():
+        dataset, name = split_score_key(key)
+        kind = "error" if key in errors else "score"
+        groups.setdefault(dataset, {"score": [], "error": []})[kind].append(
+            f"{name} {format_value(float(value))}"
+        )
+    parts = [f"ep {epoch}"]
+    if learning_rate is not None:
+        parts.append(f"lr {format_value(float(learning_rate))}")
+    for dataset, kinds in groups.items():
+        text = " ".join(f"{kind} {' '.join(items)}" for kind, items in kinds.items() if items)
+        parts.append(f"{dataset}: {text}")
+    if secs is not None:
+        parts.append(f"{secs:.1f} sec")
+    return ", ".join(parts)
