@@ -1,0 +1,308 @@
+"""The ``Dataset`` protocol (RETURNN's, reduced to random access) and the generic built-ins.
+
+A dataset is a list of sequences. Each sequence is a dict ``key -> numpy array``,
+time-major (``[T, ...]``) for keys with a time axis; 0-dim arrays (scalars) are allowed.
+
+>>> ds = ArrayDataset([{"data": np.zeros((5, 3), "float32"), "classes": np.arange(5)}])
+>>> len(ds), ds.get_seq_length(0), ds.get_seq_tag(0)
+(1, {'data': 5, 'classes': 5}, 'seq-0')
+
+The per-epoch order (``seq_ordering``, ``partition_epoch``, ``random_seed``) are the
+dataset's own options, as in RETURNN; see :mod:`kit.data.ordering`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from kit.data import ordering
+from kit.errors import ConfigError, DataError
+
+SeqDict = dict[str, np.ndarray]
+
+
+@runtime_checkable
+class DatasetProtocol(Protocol):
+    """What the pipeline needs from a dataset; :class:`Dataset` implements the shared parts."""
+
+    @property
+    def num_seqs(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def get_seq(self, idx: int) -> SeqDict: ...
+
+    def get_seq_tag(self, idx: int) -> str: ...
+
+    def get_seq_index(self, tag: str) -> int: ...
+
+    def get_seq_length(self, idx: int) -> dict[str, int]: ...
+
+    def get_seq_order(self, epoch: int) -> list[int]: ...
+
+
+def as_numpy(value: Any) -> np.ndarray:
+    """A numpy array from an array, a torch tensor, a list or a Python scalar."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor, without importing torch
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+def lengths_of(seq: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """Time lengths of the keys that have a time axis (arrays with at least one dim)."""
+    return {k: int(a.shape[0]) for k, a in seq.items() if np.ndim(a) >= 1}
+
+
+class Dataset:
+    """Base class: tags, tag lookup, lengths, per-epoch order with partitions.
+
+    Subclasses implement ``num_seqs`` and ``get_seq``; they override ``get_seq_length``
+    when lengths are known without loading the data (ordering and batch planning call it
+    for every sequence once).
+
+    Args:
+        seq_ordering: RETURNN's ``seq_ordering`` ("default", "random", "laplace:.100", ...).
+        partition_epoch: split one pass over the data into this many sub-epochs.
+        random_seed: seed of the random orders; None uses the pipeline's (config ``random_seed``).
+        name: shown in error messages.
+    """
+
+    def __init__(
+        self,
+        *,
+        seq_ordering: str = "default",
+        partition_epoch: int = 1,
+        random_seed: int | None = None,
+        name: str | None = None,
+    ):
+        ordering.parse(seq_ordering)  # fail at construction, not at the first epoch
+        if not isinstance(partition_epoch, int) or isinstance(partition_epoch, bool) or partition_epoch < 1:
+            raise ConfigError(
+                f"{type(self).__name__}: partition_epoch must be an int >= 1, got {partition_epoch!r}"
+            )
+        self.seq_ordering = seq_ordering
+        self.partition_epoch = partition_epoch
+        self.random_seed = random_seed
+        self.name = name or type(self).__name__
+        self._tag_index: dict[str, int] | None = None
+        self._lengths_cache: dict[str, np.ndarray] | None = None
+
+    # ---- to implement ----------------------------------------------------------------
+
+    @property
+    def num_seqs(self) -> int:
+        raise NotImplementedError
+
+    def get_seq(self, idx: int) -> SeqDict:
+        raise NotImplementedError
+
+    # ---- shared ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.num_seqs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, num_seqs={self.num_seqs})"
+
+    def describe(self) -> str:
+        """``'name' (Class)`` for error messages."""
+        cls = type(self).__name__
+        return f"'{self.name}'" + ("" if self.name == cls else f" ({cls})")
+
+    def _check_index(self, idx: int) -> int:
+        n = self.num_seqs
+        if not (0 <= idx < n):
+            raise IndexError(f"dataset {self.describe()}: sequence index {idx} out of range [0, {n})")
+        return int(idx)
+
+    def get_seq_tag(self, idx: int) -> str:
+        return f"seq-{self._check_index(idx)}"
+
+    def get_seq_index(self, tag: str) -> int:
+        """The index of the sequence with this tag; KeyError naming the tag if there is none."""
+        if self._tag_index is None:
+            self._tag_index = {self.get_seq_tag(i): i for i in range(self.num_seqs)}
+        try:
+            return self._tag_index[tag]
+        except KeyError:
+            raise KeyError(f"dataset {self.describe()} has no sequence with tag {tag!r}") from None
+
+    def get_seq_length(self, idx: int) -> dict[str, int]:
+        """``key -> time length`` for the keys with a time axis (default: loads the sequence)."""
+        return lengths_of(self.get_seq(idx))
+
+    def seq_lengths(self) -> dict[str, np.ndarray]:
+        """All lengths at once, ``key -> int64 [num_seqs]`` (cached; computed via get_seq_length)."""
+        if self._lengths_cache is None:
+            per_seq = [self.get_seq_length(i) for i in range(self.num_seqs)]
+            keys = sorted({k for lens in per_seq for k in lens}, key=lambda k: (k != "data", k))
+            self._lengths_cache = {
+                k: np.fromiter((lens.get(k, 0) for lens in per_seq), dtype=np.int64, count=len(per_seq))
+                for k in keys
+            }
+        return self._lengths_cache
+
+    def get_seq_order(
+        self, epoch: int, *, seq_ordering: str | None = None, random_seed: int | None = None
+    ) -> list[int]:
+        """Dataset indices of sub-epoch ``epoch`` (1-based), a deterministic function of (epoch, seed).
+
+        ``seq_ordering`` overrides the dataset's own for this call; ``random_seed`` is used
+        when the dataset has none of its own (the dataset's option is the more specific one).
+        """
+        seed = (
+            self.random_seed
+            if self.random_seed is not None
+            else (random_seed if random_seed is not None else 0)
+        )
+        return ordering.seq_order(
+            seq_ordering or self.seq_ordering,
+            num_seqs=self.num_seqs,
+            epoch=epoch,
+            seq_len=lambda: ordering_lengths(self.seq_lengths()),
+            random_seed=seed,
+            partition_epoch=self.partition_epoch,
+        )
+
+
+def ordering_lengths(lengths: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The length used for sorting: the ``data`` key if present, else the longest key."""
+    if "data" in lengths:
+        return lengths["data"]
+    if not lengths:
+        raise DataError("cannot sort sequences by length: the dataset has no key with a time axis")
+    return np.max(np.stack(list(lengths.values())), axis=0)
+
+
+def _check_seq(seq: Any, where: str) -> SeqDict:
+    if not isinstance(seq, Mapping) or not seq:
+        raise DataError(f"{where}: expected a non-empty dict key -> array, got {type(seq).__name__}")
+    return {str(k): as_numpy(v) for k, v in seq.items()}
+
+
+class ArrayDataset(Dataset):
+    """In-memory sequences from a list of dicts, or a dict of lists (one list per key).
+
+    >>> ArrayDataset({"data": [np.zeros((3, 2)), np.zeros((5, 2))]}, seq_tags=["a", "b"]).get_seq_index("b")
+    1
+    """
+
+    def __init__(
+        self,
+        seqs: Sequence[Mapping[str, Any]] | Mapping[str, Sequence[Any]],
+        *,
+        seq_tags: Sequence[str] | None = None,
+        **opts: Any,
+    ):
+        super().__init__(**opts)
+        if isinstance(seqs, Mapping):
+            sizes = {k: len(v) for k, v in seqs.items()}
+            if len(set(sizes.values())) > 1:
+                raise DataError(f"ArrayDataset: the lists per key differ in length: {sizes}")
+            n = next(iter(sizes.values()), 0)
+            seqs = [{k: v[i] for k, v in seqs.items()} for i in range(n)]
+        self._seqs = [_check_seq(s, f"ArrayDataset sequence {i}") for i, s in enumerate(seqs)]
+        if seq_tags is not None:
+            seq_tags = [str(t) for t in seq_tags]
+            if len(seq_tags) != len(self._seqs):
+                raise DataError(f"ArrayDataset: {len(seq_tags)} seq_tags for {len(self._seqs)} sequences")
+            if len(set(seq_tags)) != len(seq_tags):
+                raise DataError("ArrayDataset: seq_tags are not unique")
+        self._tags = seq_tags
+        self._lengths = [lengths_of(s) for s in self._seqs]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._seqs)
+
+    def get_seq(self, idx: int) -> SeqDict:
+        return dict(self._seqs[self._check_index(idx)])
+
+    def get_seq_tag(self, idx: int) -> str:
+        if self._tags is None:
+            return super().get_seq_tag(idx)
+        return self._tags[self._check_index(idx)]
+
+    def get_seq_length(self, idx: int) -> dict[str, int]:
+        return dict(self._lengths[self._check_index(idx)])
+
+
+class GeneratorDataset(Dataset):
+    """Sequences made on demand by a deterministic ``fn(seed, index) -> dict`` of arrays.
+
+    ``seed`` is the data seed (fixed, so sequence ``i`` is the same in every epoch);
+    ``lengths_fn(seed, index) -> dict key -> int`` lets ordering and batch planning skip
+    generating the data. For worker processes, ``fn`` must be picklable (a module-level
+    function, not a lambda).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[int, int], Mapping[str, Any]],
+        num_seqs: int,
+        *,
+        seed: int = 0,
+        lengths_fn: Callable[[int, int], Mapping[str, int]] | None = None,
+        **opts: Any,
+    ):
+        super().__init__(**opts)
+        if not callable(fn):
+            raise ConfigError(f"GeneratorDataset: fn must be callable fn(seed, index) -> dict, got {fn!r}")
+        if not isinstance(num_seqs, int) or num_seqs < 0:
+            raise ConfigError(f"GeneratorDataset: num_seqs must be an int >= 0, got {num_seqs!r}")
+        self.fn, self._num_seqs, self.seed, self.lengths_fn = fn, num_seqs, seed, lengths_fn
+
+    @property
+    def num_seqs(self) -> int:
+        return self._num_seqs
+
+    def get_seq(self, idx: int) -> SeqDict:
+        idx = self._check_index(idx)
+        return _check_seq(self.fn(self.seed, idx), f"GeneratorDataset fn(seed={self.seed}, index={idx})")
+
+    def get_seq_length(self, idx: int) -> dict[str, int]:
+        if self.lengths_fn is None:
+            return super().get_seq_length(idx)
+        return {k: int(v) for k, v in self.lengths_fn(self.seed, self._check_index(idx)).items()}
+
+
+class TorchDataset(Dataset):
+    """Adapter for a map-style ``torch.utils.data.Dataset`` whose items are dicts of arrays/tensors.
+
+    ``lengths`` (a list of dicts, one per item) makes ordering cheap; without it the
+    lengths are read by loading every item once.
+    """
+
+    def __init__(self, dataset: Any, *, lengths: Sequence[Mapping[str, int]] | None = None, **opts: Any):
+        opts.setdefault("name", type(dataset).__name__)
+        super().__init__(**opts)
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise DataError(
+                f"TorchDataset needs a map-style dataset (with __getitem__ and __len__), "
+                f"got {type(dataset).__name__}"
+            )
+        self.dataset = dataset
+        self._given_lengths = None if lengths is None else [dict(x) for x in lengths]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.dataset)
+
+    def get_seq(self, idx: int) -> SeqDict:
+        idx = self._check_index(idx)
+        return _check_seq(self.dataset[idx], f"{self.describe()} item {idx}")
+
+    def get_seq_length(self, idx: int) -> dict[str, int]:
+        if self._given_lengths is None:
+            return super().get_seq_length(idx)
+        return dict(self._given_lengths[self._check_index(idx)])
+
+
+def from_torch_dataset(dataset: Any, **opts: Any) -> TorchDataset:
+    """Wrap a map-style torch dataset (items: dicts of arrays or tensors)."""
+    return TorchDataset(dataset, **opts)

@@ -1,0 +1,109 @@
+"""``make_dataset``: a dataset object from a config value (object or ``{"class": ..., **opts}``)."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from kit.data.dataset import ArrayDataset, Dataset, GeneratorDataset, TorchDataset
+from kit.data.text import CharTextDataset
+from kit.data.toy import Task12AXDataset
+from kit.errors import ConfigError, DataError
+
+BUILTINS: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (ArrayDataset, GeneratorDataset, TorchDataset, Task12AXDataset, CharTextDataset)
+}
+
+
+def _resolve_class(name: Any) -> type:
+    if isinstance(name, type):
+        return name
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"dataset 'class': expected a class name like 'Task12AXDataset', got {name!r}")
+    if name in BUILTINS:
+        return BUILTINS[name]
+    if "." not in name:
+        guess = difflib.get_close_matches(name, list(BUILTINS), n=1)
+        hint = f" — did you mean '{guess[0]}'?" if guess else ""
+        raise ConfigError(
+            f"dataset class {name!r} is not a built-in ({', '.join(sorted(BUILTINS))}); "
+            f"give a dotted path 'package.module.Class' for your own{hint}"
+        )
+    module_name, _, attr = name.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"dataset class {name!r}: cannot import it ({exc})") from None
+    if not callable(obj):
+        raise ConfigError(f"dataset class {name!r} is not a class or callable")
+    return obj
+
+
+def make_dataset(obj: Any, **defaults: Any) -> Dataset:
+    """Return ``obj`` if it is a dataset; build one from ``{"class": name, **opts}``.
+
+    A map-style ``torch.utils.data.Dataset`` is wrapped in :class:`TorchDataset`.
+    ``defaults`` (e.g. ``name=``) fill options the dict does not set.
+
+    >>> make_dataset({"class": "Task12AXDataset", "num_seqs": 10}).num_seqs
+    10
+    """
+    if isinstance(obj, Dataset):
+        return obj
+    if isinstance(obj, Mapping):
+        opts = dict(obj)
+        if "class" not in opts:
+            raise ConfigError(
+                f"dataset dict needs a 'class' entry (e.g. 'Task12AXDataset'), got keys {sorted(opts)}"
+            )
+        cls = _resolve_class(opts.pop("class"))
+        for k, v in defaults.items():
+            opts.setdefault(k, v)
+        _check_options(cls, opts)
+        try:
+            ds = cls(**opts)
+        except (ConfigError, DataError):
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"dataset class {cls.__name__}: {exc}") from exc
+        return make_dataset(ds) if not isinstance(ds, Dataset) else ds
+    if (
+        hasattr(obj, "__getitem__")
+        and hasattr(obj, "__len__")
+        and type(obj).__module__.split(".")[0] != "builtins"
+    ):
+        return TorchDataset(obj, **defaults)
+    raise DataError(
+        f"expected a kit.data.Dataset, a map-style torch Dataset or a dict {{'class': ..., ...}}, "
+        f"got {type(obj).__name__}"
+    )
+
+
+def _check_options(cls: type, opts: dict[str, Any]) -> None:
+    """Name every unknown option at once, with suggestions, before calling the class."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return
+    params = sig.parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        # our built-ins pass **opts to Dataset.__init__; those are the known ones
+        if issubclass(cls, Dataset):
+            params = {**params, **inspect.signature(Dataset.__init__).parameters}
+        else:
+            return
+    known = [
+        n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n != "self"
+    ]
+    problems = []
+    for name in opts:
+        if name not in known:
+            guess = difflib.get_close_matches(name, known, n=1)
+            hint = f" — did you mean '{guess[0]}'?" if guess else f" (known: {', '.join(known)})"
+            problems.append(f"dataset class {cls.__name__}: unknown option {name!r}{hint}")
+    if problems:
+        raise ConfigError(problems)

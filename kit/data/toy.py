@@ -1,0 +1,97 @@
+"""``Task12AXDataset``: RETURNN's 12AX memory task, deterministic from a seed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kit.data.dataset import Dataset, SeqDict
+from kit.errors import ConfigError
+
+
+class Task12AXDataset(Dataset):
+    """The 12AX task: 9 one-hot input symbols, 2 target classes per frame.
+
+    Alphabet (RETURNN's, index = position): ``"123ABCXYZ"``. ``data`` is float32
+    ``[T, 9]`` one-hot, ``classes`` int64 ``[T]``, ``T`` in 10..99.
+
+    The rule (RETURNN's ``make_output_seq``): the digits ``1``/``2`` set the outer
+    context, ``A``/``B`` the inner one; an ``X`` or ``Y`` has target 1 when
+    outer + inner + it is ``1AX`` or ``2BY`` and clears the inner context; every other
+    frame has target 0. ``3``, ``C`` and ``Z`` are distractors that change nothing.
+
+    Sequence ``i`` is drawn from ``numpy.random.default_rng([seed, i])``; its length is
+    the first draw, so ``get_seq_length`` does not generate the sequence.
+    """
+
+    symbols = "123ABCXYZ"
+    num_classes = 2
+    extern_data = {"data": {"shape": (None, 9)}, "classes": {"shape": (None,), "sparse_dim": 2}}
+
+    def __init__(self, num_seqs: int = 1000, *, seed: int = 0, **opts: Any):
+        super().__init__(**opts)
+        if not isinstance(num_seqs, int) or num_seqs < 0:
+            raise ConfigError(f"Task12AXDataset: num_seqs must be an int >= 0, got {num_seqs!r}")
+        self._num_seqs, self.seed = num_seqs, seed
+
+    @property
+    def num_seqs(self) -> int:
+        return self._num_seqs
+
+    def _rng(self, idx: int) -> np.random.Generator:
+        return np.random.default_rng([int(self.seed), self._check_index(idx)])
+
+    def get_seq_length(self, idx: int) -> dict[str, int]:
+        n = int(self._rng(idx).integers(10, 100))
+        return {"data": n, "classes": n}
+
+    def get_seq(self, idx: int) -> SeqDict:
+        rng = self._rng(idx)
+        n = int(rng.integers(10, 100))
+        return self.encode(self._draw_symbols(rng, n))
+
+    @staticmethod
+    def _draw_symbols(rng: np.random.Generator, n: int) -> str:
+        # RETURNN's made-up distribution: frequent AX/BY pairs so that target 1 is not rare.
+        text = str(rng.choice(["", "1", "2"]))
+        while len(text) < n:
+            if rng.uniform() < 0.5:
+                text += str(rng.choice(["1", "2"]))
+            if rng.uniform() < 0.9:
+                text += str(rng.choice(["AX", "BY"]))
+            while rng.uniform() < 0.5:
+                text += Task12AXDataset.symbols[int(rng.integers(0, 9))]
+        return text[:n]
+
+    @classmethod
+    def targets(cls, text: str | Sequence[int]) -> np.ndarray:
+        """Target classes (int64) for a symbol string like ``"1AXBY2BY"`` or a list of symbol ids."""
+        chars = text if isinstance(text, str) else "".join(cls.symbols[i] for i in text)
+        outer = inner = ""
+        out = np.zeros(len(chars), dtype=np.int64)
+        for t, c in enumerate(chars):
+            if c not in cls.symbols:
+                raise ValueError(f"12AX: unknown symbol {c!r}; the alphabet is {cls.symbols!r}")
+            if c in "12":
+                outer = c
+            elif c in "AB":
+                inner = c
+            elif c in "XY":
+                out[t] = int(outer + inner + c in ("1AX", "2BY"))
+                inner = ""
+        return out
+
+    @classmethod
+    def encode(cls, text: str) -> SeqDict:
+        """The sequence dict (one-hot ``data``, ``classes``) for a hand-made symbol string."""
+        ids = np.array([cls.symbols.index(c) for c in text], dtype=np.int64)
+        data = np.zeros((len(text), len(cls.symbols)), dtype=np.float32)
+        data[np.arange(len(text)), ids] = 1.0
+        return {"data": data, "classes": cls.targets(text)}
+
+    @classmethod
+    def decode(cls, data: np.ndarray) -> str:
+        """The symbol string of a one-hot ``data`` array."""
+        return "".join(cls.symbols[i] for i in np.asarray(data).argmax(axis=-1))
