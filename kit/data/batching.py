@@ -1,0 +1,162 @@
+"""The epoch's batch plan: length filter → chunking → greedy batching, from lengths alone.
+
+The plan is computed in the main process from the order and the cheap per-sequence
+lengths, before any data is loaded. Workers only load and collate plan entries, so
+with any number of workers every sequence is seen exactly once per epoch, and the
+batches are the same, in the same order, as without workers.
+
+An entry is ``(seq_idx, spans)``: ``spans`` is None for the whole sequence, else a
+tuple of ``(key, start, end)`` for the chunked keys (other keys come whole, as in
+RETURNN).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kit.errors import ConfigError, DataError
+
+Span = tuple[str, int, int]
+Entry = tuple[int, "tuple[Span, ...] | None"]
+
+
+def per_key(value: int | Mapping[str, int] | None, keys: Sequence[str], name: str) -> dict[str, int]:
+    """An int for all keys or a dict per key → dict for the listed keys (missing keys: no limit)."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(keys))
+        if unknown:
+            raise ConfigError(f"{name}: data keys {unknown} have no time axis here (time keys: {list(keys)})")
+        return {k: int(v) for k, v in value.items()}
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ConfigError(f"{name}: got {value!r}, expected an int or a dict data key -> int")
+    return {k: int(value) for k in keys}
+
+
+def length_filter(
+    order: Sequence[int],
+    lengths: Mapping[str, np.ndarray],
+    min_seq_length: Any = None,
+    max_seq_length: Any = None,
+) -> list[int]:
+    """Keep the sequences whose every limited key lies in ``[min, max]`` (RETURNN's LenFilter)."""
+    keys = list(lengths)
+    lo, hi = per_key(min_seq_length, keys, "min_seq_length"), per_key(max_seq_length, keys, "max_seq_length")
+    if not lo and not hi:
+        return list(order)
+    idx = np.asarray(order, dtype=np.int64)
+    keep = np.ones(len(idx), dtype=bool)
+    for k, v in lo.items():
+        keep &= lengths[k][idx] >= v
+    for k, v in hi.items():
+        keep &= lengths[k][idx] <= v
+    return idx[keep].tolist()
+
+
+def parse_chunking(chunking: Any, time_keys: Sequence[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """``chunking`` → (size per key, step per key); empty dicts for no chunking."""
+    if chunking in (None, 0, False):
+        return {}, {}
+    if isinstance(chunking, str):
+        m = re.fullmatch(r"(\d+)(?::(\d+))?", chunking.strip())
+        if not m:
+            raise ConfigError(f"chunking: got {chunking!r}, expected 'size' or 'size:step'")
+        chunking = (int(m[1]), int(m[2]) if m[2] else None)
+    if isinstance(chunking, (tuple, list)):
+        if len(chunking) != 2:
+            raise ConfigError(f"chunking: got {chunking!r}, expected (size, step)")
+        size, step = chunking
+    else:
+        size, step = chunking, None
+    sizes = per_key(size, time_keys, "chunking size")
+    steps = sizes if step in (None, 0) else per_key(step, time_keys, "chunking step")
+    if sorted(sizes) != sorted(steps):
+        raise ConfigError(f"chunking: size keys {sorted(sizes)} and step keys {sorted(steps)} differ")
+    bad = [k for k in sizes if sizes[k] < 1 or steps[k] < 1]
+    if bad:
+        raise ConfigError(f"chunking: size and step must be >= 1 (keys {bad})")
+    return sizes, steps
+
+
+def chunk_entries(
+    order: Sequence[int],
+    lengths: Mapping[str, np.ndarray],
+    sizes: Mapping[str, int],
+    steps: Mapping[str, int],
+    min_chunk_size: Any = None,
+    tag_of: Any = None,
+) -> list[Entry]:
+    """Entries for ``order``: whole sequences, or RETURNN's chunks.
+
+    For each chunked key the chunks start at ``0, step, 2 step, ...`` below the length
+    and are ``size`` long (the last ones shorter); chunks shorter than
+    ``min_chunk_size`` are dropped. All chunked keys must give the same number of chunks.
+    """
+    if not sizes:
+        return [(int(i), None) for i in order]
+    mins = per_key(min_chunk_size, list(sizes), "min_chunk_size") if min_chunk_size else {}
+    out: list[Entry] = []
+    for i in order:
+        per_key_spans = []
+        for k in sizes:
+            n, size, step, lo = int(lengths[k][i]), sizes[k], steps[k], mins.get(k, 0)
+            spans = [(k, s, min(s + size, n)) for s in range(0, n, step) if min(s + size, n) - s >= lo]
+            per_key_spans.append(spans)
+        counts = {len(s) for s in per_key_spans}
+        if len(counts) > 1:
+            tag = tag_of(i) if tag_of else f"seq-{i}"
+            raise DataError(
+                f"chunking of sequence {tag!r}: the keys give different numbers of chunks "
+                f"{ {k: len(s) for k, s in zip(sizes, per_key_spans)} }; adjust the per-key sizes/steps"
+            )
+        out.extend((int(i), spans) for spans in zip(*per_key_spans))
+    return out
+
+
+def entry_lengths(entries: Sequence[Entry], lengths: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-key time length of each entry (chunk lengths for chunked keys)."""
+    idx = np.fromiter((e[0] for e in entries), dtype=np.int64, count=len(entries))
+    out = {k: v[idx].copy() for k, v in lengths.items()}
+    for j, (_, spans) in enumerate(entries):
+        if spans is not None:
+            for k, s, e in spans:
+                out[k][j] = e - s
+    return out
+
+
+def plan_batches(
+    lens: Mapping[str, np.ndarray],
+    num_entries: int,
+    batch_size: int | Mapping[str, int] | None,
+    max_seqs: int | None = None,
+) -> list[tuple[int, int]]:
+    """Greedy, order-keeping batches as ``[start, end)`` ranges over the entries.
+
+    An entry joins the current batch while, for every key with a limit,
+    ``max length including it × (n + 1) <= batch_size`` (padding counts) and the batch
+    has fewer than ``max_seqs`` entries. An entry over the budget on its own forms a
+    batch of one: nothing is dropped.
+    """
+    limits = per_key(batch_size, list(lens), "batch_size")
+    max_seqs = sys.maxsize if max_seqs in (None, -1) else int(max_seqs)
+    cols = [(lens[k].tolist(), v) for k, v in limits.items()]
+    ranges, start, maxima = [], 0, [0] * len(cols)
+    for j in range(num_entries):
+        n = j - start
+        if n:
+            fits = n < max_seqs and all(
+                max(m, col[j]) * (n + 1) <= lim for m, (col, lim) in zip(maxima, cols)
+            )
+            if not fits:
+                ranges.append((start, j))
+                start, maxima = j, [0] * len(cols)
+        maxima = [max(m, col[j]) for m, (col, _) in zip(maxima, cols)]
+    if num_entries > start:
+        ranges.append((start, num_entries))
+    return ranges

@@ -1,0 +1,338 @@
+"""``Pipeline``: dataset → order → length filter → chunking → batching → collate, resumable.
+
+>>> pipe = Pipeline(Task12AXDataset(100), batch_size=500, max_seqs=8)
+>>> pipe.set_epoch(1)
+>>> batch = next(pipe)                 # kit.Batch; pipe.position == 1
+>>> pipe.state_dict()                  # {"epoch": 1, "position": 1, ...}
+
+Each epoch's batches are planned up front from the order and the cheap sequence
+lengths (:mod:`kit.data.batching`); loading, validation against ``extern_data`` and
+padding happen per batch, in the main process (``num_workers=0``, no DataLoader at all)
+or in worker processes that return exactly the same batches in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kit.config import Config
+from kit.config_keys import KEYS
+from kit.data import batching, ordering
+from kit.data.batch import Batch
+from kit.data.collate import BatchLoader
+from kit.data.dataset import Dataset, ordering_lengths
+from kit.data.extern_data import ExternData, make_extern_data
+from kit.data.make import make_dataset
+from kit.data.workers import WorkerPool, check_picklable
+from kit.errors import ConfigError, DataError
+
+_DEFAULT_SEED = KEYS["random_seed"].default
+
+
+def _describe(dataset: Any) -> str:
+    return dataset.describe() if isinstance(dataset, Dataset) else repr(type(dataset).__name__)
+
+
+def _all_lengths(dataset: Any) -> dict[str, np.ndarray]:
+    if hasattr(dataset, "seq_lengths"):
+        return dict(dataset.seq_lengths())
+    per_seq = [dataset.get_seq_length(i) for i in range(len(dataset))]
+    keys = sorted({k for lens in per_seq for k in lens})
+    return {k: np.array([lens.get(k, 0) for lens in per_seq], dtype=np.int64) for k in keys}
+
+
+class Pipeline:
+    """Batches of one dataset, epoch by epoch, with a resumable position.
+
+    Args:
+        dataset: a Dataset, a ``{"class": ...}`` dict, or a map-style torch dataset.
+        extern_data: the data spec; batches are validated against it (None: inferred).
+        train: chunking only applies in training (unless ``chunking_in_eval``).
+        batch_size: frames per batch including padding, int for all time keys or per key.
+        seq_ordering: overrides the dataset's own ``seq_ordering``.
+        random_seed: seed of random orders, for datasets without their own ``random_seed``.
+        seq_indices: restrict to these dataset indices (in the epoch's order; partitions
+            are not applied then).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        extern_data: Mapping[str, Any] | ExternData | None = None,
+        train: bool = True,
+        batch_size: int | Mapping[str, int] | None = 5000,
+        max_seqs: int | None = None,
+        min_seq_length: int | Mapping[str, int] | None = None,
+        max_seq_length: int | Mapping[str, int] | None = None,
+        chunking: Any = None,
+        min_chunk_size: int | Mapping[str, int] | None = None,
+        seq_ordering: str | None = None,
+        num_workers: int = 0,
+        dataloader_opts: Mapping[str, Any] | None = None,
+        random_seed: int | None = None,
+        seq_indices: Sequence[int] | None = None,
+        chunking_in_eval: bool = False,
+    ):
+        self.dataset = make_dataset(dataset)
+        self.extern_data = make_extern_data(extern_data)
+        self.train = train
+        problems = [
+            p
+            for p in (self._check_limit("batch_size", batch_size), self._check_limit("max_seqs", max_seqs))
+            if p
+        ]
+        if problems:
+            raise ConfigError(problems)
+        self.batch_size, self.max_seqs = batch_size, max_seqs
+        self.min_seq_length, self.max_seq_length = min_seq_length, max_seq_length
+        self.chunking = chunking if (train or chunking_in_eval) else None
+        problem = KEYS["chunking"].check(self.chunking)
+        if problem:
+            raise ConfigError(f"chunking: got {self.chunking!r}, expected {problem}")
+        self.min_chunk_size = min_chunk_size
+        if seq_ordering is not None:
+            ordering.parse(seq_ordering)
+        self.seq_ordering = seq_ordering
+        self.random_seed = _DEFAULT_SEED if random_seed is None else int(random_seed)
+        self.seq_indices = None if seq_indices is None else [int(i) for i in seq_indices]
+        opts = dict(dataloader_opts or {})
+        self.num_workers = int(num_workers or opts.pop("num_workers", 0) or 0)
+        opts.pop("num_workers", None)
+        self._loader = BatchLoader(self.dataset, self.extern_data)
+        self._pool: WorkerPool | None = None
+        if self.num_workers > 0:
+            check_picklable(self._loader, self.num_workers, _describe(self.dataset))
+            self._pool = WorkerPool(self._loader, self.num_workers, opts)
+        self._lengths: dict[str, np.ndarray] | None = None
+        self._entries: list[batching.Entry] = []
+        self._ranges: list[tuple[int, int]] | None = None
+        self._iter: Iterator[Batch] | None = None
+        self.epoch = 0
+        self.position = 0
+
+    @staticmethod
+    def _check_limit(name: str, value: Any) -> str | None:
+        if value is None:
+            return None
+        check = KEYS[name].check
+        problem = check(value) if check else None
+        return f"{name}: got {value!r}, expected {problem}" if problem else None
+
+    @classmethod
+    def from_config(
+        cls, dataset: Any, config: Config | Mapping[str, Any], *, train: bool, **overrides: Any
+    ) -> Pipeline:
+        """The pipeline the config describes (``overrides`` win); ``seq_ordering`` only in training."""
+        cfg = config if isinstance(config, Config) else Config(config)
+        loader_opts = dict(cfg.typed_value("torch_dataloader_opts") or {})
+        kwargs: dict[str, Any] = {
+            "extern_data": cfg.typed_value("extern_data"),
+            "batch_size": cfg.typed_value("batch_size"),
+            "max_seqs": cfg.typed_value("max_seqs"),
+            "min_seq_length": cfg.typed_value("min_seq_length"),
+            "max_seq_length": cfg.typed_value("max_seq_length"),
+            "chunking": cfg.typed_value("chunking"),
+            "min_chunk_size": cfg.typed_value("min_chunk_size"),
+            "chunking_in_eval": bool(cfg.typed_value("chunking_in_eval")),
+            "seq_ordering": cfg.typed_value("seq_ordering") if train else None,
+            "random_seed": cfg.typed_value("random_seed"),
+            "num_workers": loader_opts.pop("num_workers", 0),
+            "dataloader_opts": loader_opts,
+        }
+        kwargs.update(overrides)
+        return cls(dataset, train=train, **kwargs)
+
+    # ---- planning --------------------------------------------------------------------
+
+    def _seq_lengths(self) -> dict[str, np.ndarray]:
+        if self._lengths is None:
+            lengths = _all_lengths(self.dataset)
+            if self.extern_data is not None:  # declared static keys (shape (3,)) have no time axis
+                lengths = {
+                    k: v
+                    for k, v in lengths.items()
+                    if k not in self.extern_data or self.extern_data[k].has_time
+                }
+            self._lengths = lengths
+        return self._lengths
+
+    def _order(self, epoch: int) -> list[int]:
+        ds = self.dataset
+        n = len(ds)
+        own_seed = getattr(ds, "random_seed", None)
+        seed = own_seed if own_seed is not None else self.random_seed
+        method = self.seq_ordering or getattr(ds, "seq_ordering", "default")
+        if self.seq_indices is not None:
+            bad = [i for i in self.seq_indices if not 0 <= i < n]
+            if bad:
+                raise DataError(
+                    f"seq_indices {bad[:5]} are out of range for dataset {_describe(ds)} ({n} seqs)"
+                )
+            full = ordering.full_order(method, n, epoch, lambda: ordering_lengths(self._seq_lengths()), seed)
+            wanted = set(self.seq_indices)
+            return [int(i) for i in full if i in wanted]
+        if isinstance(ds, Dataset):
+            return ds.get_seq_order(epoch, seq_ordering=self.seq_ordering, random_seed=self.random_seed)
+        if self.seq_ordering is None:
+            return list(ds.get_seq_order(epoch))
+        return ordering.seq_order(
+            method,
+            num_seqs=n,
+            epoch=epoch,
+            seq_len=lambda: ordering_lengths(self._seq_lengths()),
+            random_seed=seed,
+            partition_epoch=getattr(ds, "partition_epoch", 1),
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Plan the batches of ``epoch`` (1-based) and go to its start."""
+        if not isinstance(epoch, int) or epoch < 1:
+            raise ValueError(f"epochs count from 1, got {epoch!r}")
+        self._drop_iter()
+        name = _describe(self.dataset)
+        if len(self.dataset) == 0:
+            raise DataError(
+                f"dataset {name} is empty (0 sequences): nothing to {'train' if self.train else 'evaluate'} on"
+            )
+        order = self._order(epoch)
+        if not order:
+            raise DataError(f"dataset {name}: epoch {epoch} has no sequences (partition_epoch / seq_indices)")
+        lengths = self._seq_lengths()
+        time_keys = list(lengths)
+        kept = batching.length_filter(order, lengths, self.min_seq_length, self.max_seq_length)
+        if not kept:
+            raise DataError(
+                f"dataset {name}: all {len(order)} sequences of epoch {epoch} were removed by "
+                f"min_seq_length={self.min_seq_length!r} / max_seq_length={self.max_seq_length!r}"
+            )
+        sizes, steps = batching.parse_chunking(self.chunking, time_keys)
+        entries = batching.chunk_entries(
+            kept, lengths, sizes, steps, self.min_chunk_size, self.dataset.get_seq_tag
+        )
+        if not entries:
+            raise DataError(
+                f"dataset {name}: min_chunk_size={self.min_chunk_size!r} removed every chunk of epoch {epoch}"
+            )
+        lens = batching.entry_lengths(entries, lengths)
+        self._entries = entries
+        self._ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
+        self.epoch, self.position = epoch, 0
+
+    def _ensure_planned(self) -> None:
+        if self._ranges is None:
+            self.set_epoch(self.epoch or 1)
+
+    @property
+    def num_batches(self) -> int:
+        self._ensure_planned()
+        return len(self._ranges)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def plan(self) -> list[list[batching.Entry]]:
+        """The current epoch's batches as lists of ``(seq_idx, spans)`` entries (see batching)."""
+        self._ensure_planned()
+        return [self._entries[a:b] for a, b in self._ranges]
+
+    # ---- iteration -------------------------------------------------------------------
+
+    def __iter__(self) -> Pipeline:
+        return self
+
+    def __next__(self) -> Batch:
+        self._ensure_planned()
+        if self.position >= len(self._ranges):
+            self._drop_iter()
+            raise StopIteration
+        if self._pool is None:
+            a, b = self._ranges[self.position]
+            batch = self._loader.load(self._entries[a:b])
+        else:
+            if self._iter is None:
+                items = [(i, self._entries[a:b]) for i, (a, b) in enumerate(self._ranges)][self.position :]
+                self._iter = self._pool.start(items)
+            batch = next(self._iter)
+        batch.epoch, batch.batch_idx = self.epoch, self.position
+        self.position += 1
+        batch.complete_frac = self.position / len(self._ranges)
+        return batch
+
+    def _drop_iter(self) -> None:
+        self._iter = None  # a persistent DataLoader resets its workers on the next iter()
+
+    # ---- state -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "num_batches": len(self._ranges or [])}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue at ``state``'s epoch and position: the remaining batches come next."""
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 1:  # saved before the first set_epoch
+            self.epoch, self.position, self._ranges = 0, 0, None
+            return
+        self.set_epoch(epoch)
+        saved = state.get("num_batches")
+        if saved and saved != len(self._ranges):
+            raise DataError(
+                f"cannot resume the data position: epoch {epoch} had {saved} batches when saved, now "
+                f"{len(self._ranges)} (dataset, ordering or batch settings changed)"
+            )
+        if not 0 <= position <= len(self._ranges):
+            raise DataError(
+                f"cannot resume at position {position}: epoch {epoch} has {len(self._ranges)} batches"
+            )
+        self.position = position
+
+    def close(self) -> None:
+        """Stop the worker processes (also done on garbage collection)."""
+        self._iter = None
+        if self._pool is not None:
+            self._pool.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: S110 - interpreter shutdown; nothing left to report to
+            pass
+
+    def __repr__(self) -> str:
+        n = len(self._ranges) if self._ranges is not None else "?"
+        return (
+            f"Pipeline({_describe(self.dataset)}, epoch={self.epoch}, position={self.position}/{n}, "
+            f"train={self.train}, workers={self.num_workers})"
+        )
+
+
+_PIPELINE_ONLY = ("num_workers", "dataloader_opts", "seq_indices")
+
+
+def batches(
+    dataset: Any,
+    *,
+    epoch: int = 1,
+    extern_data: Mapping[str, Any] | None = None,
+    train: bool = True,
+    **config_keys: Any,
+) -> Pipeline:
+    """The batches of one epoch, exactly as training (``train=True``) or eval would see them.
+
+    ``config_keys`` are config keys (``batch_size=``, ``chunking=``, ...), validated like a
+    config: unknown keys raise ConfigError with a suggestion. ``num_workers``,
+    ``dataloader_opts`` and ``seq_indices`` are passed to the Pipeline.
+
+    >>> for batch in batches(Task12AXDataset(100), batch_size=1000, seq_ordering="laplace:.10"):
+    ...     print(batch["data"].shape)
+    """
+    extra = {k: config_keys.pop(k) for k in _PIPELINE_ONLY if k in config_keys}
+    config = Config(**config_keys)
+    if extern_data is not None:
+        extra["extern_data"] = extern_data
+    pipe = Pipeline.from_config(dataset, config, train=train, **extra)
+    pipe.set_epoch(epoch)
+    return pipe
