@@ -61,3 +61,19 @@ def derive_seed(*parts: int) -> int:
         h = ((h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 29
     return h % (2**31 - 1)
+
+
+def snapshot() -> tuple:
+    """A fast in-memory snapshot of all global RNG states (not for files: see get_rng_state)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), np.random.get_state(), random.getstate(), cuda
+
+
+def restore(snap: tuple) -> None:
+    """Put back a :func:`snapshot`."""
+    torch_state, np_state, py_state, cuda = snap
+    torch.set_rng_state(torch_state)
+    np.random.set_state(np_state)
+    random.setstate(py_state)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)

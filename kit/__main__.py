@@ -1,0 +1,7 @@
+"""``python -m kit ...``: see :mod:`kit.cli`."""
+
+import sys
+
+from kit.cli import main
+
+sys.exit(main())

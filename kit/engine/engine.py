@@ -1,0 +1,494 @@
+"""``Engine``: RETURNN's PyTorch engine as a step machine.
+
+The Session (notebook), the CLI and torchrun all drive the same methods:
+``train_step`` (one micro-batch), ``finish_epoch`` (scores, eval, LR, checkpoint,
+cleanup), ``eval_model`` and ``forward``. Nothing here prints, draws or reads widgets;
+whoever wants to know subscribes to ``engine.events``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kit.config import Config
+from kit.engine import amp, resume
+from kit.engine.accounting import EpochAccounting, StepLosses, stack_losses
+from kit.engine.device import select_device
+from kit.engine.progress import Progress
+from kit.engine.user_code import annotate_exception, call_user, check_accepts_kwargs
+from kit.errors import ConfigError, DataError, KitError, NonFiniteLossError
+from kit.events import Events
+from kit.rng import derive_seed, get_rng_state, seed_all, set_rng_state
+from kit.run_ctx import RunCtx, run_ctx_scope
+
+logger = logging.getLogger("kit")
+
+
+@dataclass
+class StepResult:
+    """What one train step did. Loss values are read from the device only when asked.
+
+    ``step`` is the step's 0-based index in its epoch and ``global_train_step`` its
+    0-based global index (the ``step`` user code sees in the run context).
+    """
+
+    epoch: int
+    step: int
+    global_train_step: int
+    learning_rate: float
+    updated: bool
+    seconds: float
+    num_seqs: int
+    complete_frac: float | None
+    step_losses: StepLosses
+    grad_norm: torch.Tensor | None = None
+
+    @property
+    def losses(self) -> dict[str, float]:
+        """Normalized loss per name (sum / norm) — one device→host read, cached."""
+        return self.step_losses.normalized()
+
+    def __repr__(self) -> str:
+        losses = ", ".join(f"{k} {v:.4g}" for k, v in self.losses.items())
+        return f"StepResult(ep {self.epoch}, step {self.step}, global {self.global_train_step}: {losses})"
+
+
+class Engine:
+    """Train, evaluate and forward a model from a :class:`Config`.
+
+    Construction is cheap; the device, model, optimizer and data pipeline are set up
+    on first use (:meth:`setup`), resuming from the newest complete checkpoint.
+    """
+
+    def __init__(self, config: Config, *, events: Events | None = None):
+        self.config = config
+        self.events = events or Events()
+        self.progress = Progress()
+        self.is_set_up = False
+        self.device: torch.device | None = None
+        self.model: torch.nn.Module | None = None
+        self.updater: Any = None
+        self.grad_scaler: torch.amp.GradScaler | None = None
+        self.lr_control: Any = None
+        self.train_pipeline: Any = None
+        self.accounting = EpochAccounting()
+        self.scores: Any = None
+        self._eval_pipelines: dict[str, Any] = {}
+        self._epoch_start_time = 0.0
+        self._epoch_lr = 0.0
+        self._step_lr = 0.0
+        self.last_checkpoint: Any = None
+
+    # ---- set-up -----------------------------------------------------------------------
+
+    @property
+    def final_epoch(self) -> int:
+        return int(self.config.int("num_epochs"))
+
+    @property
+    def model_prefix(self) -> str | None:
+        return self.config.typed_value("model")
+
+    def setup(self) -> None:
+        """Device, datasets, score table, model (resumed or fresh), optimizer, LR control."""
+        if self.is_set_up:
+            return
+        self.device, reason = select_device(self.config.typed_value("device"))
+        logger.info("device: %s (%s)", self.device, reason)
+        self.datasets = resume.build_datasets(self.config)
+        self.extern_data = resume.build_extern_data(self.config)
+        self.scores = resume.open_score_table(self.config)
+        start = resume.find_start(self.config, self.scores)
+        self.progress.epoch = start.epoch
+        self.progress.global_train_step = start.global_train_step
+        self.model = self._create_model(start.epoch, start.global_train_step)
+        resume.init_weights(self, start)
+        self.grad_scaler = amp.make_grad_scaler(self.config, self.device)
+        self.amp_dtype = amp.amp_dtype(self.config)
+        self.is_set_up = True
+        if start.train_state is not None:
+            self._ensure_training_parts()
+            resume.load_train_state(self, start.train_state)
+        if start.needs_eval:
+            self._ensure_training_parts()
+            self._record_eval(start.epoch - 1, self.eval_model())
+
+    def _create_model(self, epoch: int, step: int) -> torch.nn.Module:
+        get_model = self.config.typed_value("get_model")
+        if get_model is None:
+            raise ConfigError("config key 'get_model' is not set: expected get_model(*, epoch, step, **kwargs)")
+        seed_all(derive_seed(self.config.int("random_seed"), epoch, step))
+        model = call_user(get_model, "get_model", epoch=epoch, step=step)
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"config key 'get_model': returned {type(model).__name__}, expected a torch.nn.Module")
+        return model.to(self.device)
+
+    def _ensure_training_parts(self) -> None:
+        """Optimizer, LR control and the train pipeline — only needed for training."""
+        self.setup()
+        if self.updater is not None:
+            return
+        from kit.data.pipeline import Pipeline
+        from kit.engine.lr_control import make_lr_control
+        from kit.engine.updater import Updater
+
+        if self.config.typed_value("train_step") is None:
+            raise ConfigError("config key 'train_step' is not set: expected train_step(*, model, extern_data, **kwargs)")
+        check_accepts_kwargs(self.config.typed_value("train_step"), "train_step")
+        if self.datasets.get("train") is None:
+            raise ConfigError("config key 'train' is not set: training needs a dataset")
+        self.updater = Updater(self.config, self.model)
+        self.lr_control = make_lr_control(self.config, self.scores)
+        self.train_pipeline = Pipeline.from_config(self.datasets["train"], self.config, train=True,
+                                                   extern_data=self.extern_data)
+
+    # ---- one train step ---------------------------------------------------------------
+
+    def train_step(self) -> StepResult | None:
+        """Train on the next micro-batch of the current epoch; None once the epoch's data is used up."""
+        self._ensure_training_parts()
+        p = self.progress
+        if not p.epoch_running:
+            self._begin_epoch()
+        if p.steps_exhausted:
+            return None
+        # fetch: the next batch of the planned epoch (CPU), then to the device
+        batch = next(self.train_pipeline, None)
+        if batch is None:
+            p.steps_exhausted = True
+            return None
+        t0 = time.perf_counter()
+        batch_dev = batch.to(self.device, non_blocking=True)
+        # window start: a fresh gradient accumulation window
+        if p.accum_count == 0:
+            self.updater.optimizer.zero_grad(set_to_none=True)
+        lr = self._set_step_learning_rate(batch)
+        # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
+        ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
+        self._run_user_step(self.config.typed_value("train_step"), ctx, batch_dev, stage="train")
+        total = self._total_loss(ctx)
+        # backward: scaled for float16; gradients of micro-batches are summed
+        (self.grad_scaler.scale(total) if self.grad_scaler else total).backward()
+        p.accum_count += 1
+        step_losses = stack_losses(ctx.losses)
+        # update when the accumulation window is complete
+        updated, grad_norm = False, None
+        if p.accum_count >= self._accum_grad_multiple_step(batch):
+            updated, grad_norm = self._update(step_losses, batch)
+        # account: losses stay on the device
+        self.accounting.add(step_losses)
+        result = StepResult(p.epoch, p.step_in_epoch, p.global_train_step, lr, updated,
+                            time.perf_counter() - t0, batch.num_seqs, batch.complete_frac, step_losses, grad_norm)
+        p.step_in_epoch += 1
+        p.global_train_step += 1
+        self.events.emit("step_end", result=result)
+        self._maybe_log_step(result)
+        self._maybe_save_step_checkpoint()
+        return result
+
+    def _update(self, step_losses: StepLosses, batch: Any) -> tuple[bool, torch.Tensor | None]:
+        """Unscale → gradient noise → clip → non-finite guard → optimizer step → scaler update."""
+        p, optimizer, scaler = self.progress, self.updater.optimizer, self.grad_scaler
+        p.accum_count = 0
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        self.updater.apply_gradient_noise()
+        guard = bool(self.config.bool("stop_on_nonfinite_train_score"))
+        # with a float16 scaler, inf gradients are expected: the scaler skips those steps itself
+        grad_norm = self.updater.clip_gradients(need_grad_norm=guard and scaler is None)
+        if guard and not self._all_finite(step_losses, None if scaler else grad_norm):
+            if not self._handle_nonfinite(step_losses, grad_norm, batch):
+                return False, grad_norm
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        p.num_updates += 1
+        p.consec_skipped_updates = 0
+        return True, grad_norm
+
+    @staticmethod
+    def _all_finite(step_losses: StepLosses, grad_norm: torch.Tensor | None) -> bool:
+        """The guard's single device→host read."""
+        flags = torch.isfinite(step_losses.values).all()
+        if grad_norm is not None:
+            flags = flags & torch.isfinite(grad_norm.to(flags.device))
+        return bool(flags)
+
+    def _handle_nonfinite(self, step_losses: StepLosses, grad_norm: torch.Tensor | None, batch: Any) -> bool:
+        """Drop the update; raise (default) or skip per ``nonfinite_policy``. Returns False."""
+        p = self.progress
+        bad = [f"loss {name}" for name, v in step_losses.normalized().items() if not _finite(v)]
+        if grad_norm is not None and not torch.isfinite(grad_norm).all():
+            bad.append(f"gradient norm ({float(grad_norm)})")
+            bad += [f"gradient of {n}" for n, prm in self.model.named_parameters()
+                    if prm.grad is not None and not torch.isfinite(prm.grad).all()][:20]
+        self.updater.optimizer.zero_grad(set_to_none=True)
+        error = NonFiniteLossError(
+            f"non-finite values at epoch {p.epoch}, step {p.step_in_epoch} (global step {p.global_train_step}): "
+            f"{', '.join(bad)}; the update was not applied (parameters and optimizer state are unchanged)",
+            epoch=p.epoch, step=p.step_in_epoch, nonfinite=bad)
+        self.events.emit("nonfinite", error=error, batch=batch)
+        if self.config.typed_value("nonfinite_policy") == "skip":
+            p.consec_skipped_updates += 1
+            p.skipped_updates_in_epoch += 1
+            limit = self.config.int("num_allowed_consec_invalid_gradient_steps")
+            if p.consec_skipped_updates <= limit:
+                logger.warning("%s — skipped (%d in a row)", error, p.consec_skipped_updates)
+                return False
+            error.args = (f"{error.args[0]}; {p.consec_skipped_updates} non-finite updates in a row "
+                          f"exceed num_allowed_consec_invalid_gradient_steps={limit}",)
+        # the step does not count: counters stay where they were before it
+        p.accum_count = 0
+        raise error
+
+    def _total_loss(self, ctx: RunCtx) -> torch.Tensor:
+        try:
+            return ctx.total_loss()
+        except KitError as exc:
+            raise type(exc)(f"{exc} (config key 'train_step')") from None
+
+    def _run_user_step(self, fn: Callable, ctx: RunCtx, batch: Any, *, stage: str) -> None:
+        try:
+            with run_ctx_scope(ctx), amp.autocast(self.device, self.amp_dtype):
+                fn(model=self.model, extern_data=batch)
+        except Exception as exc:
+            annotate_exception(exc, stage=stage, model=self.model, batch=batch)
+            self.events.emit("exception", error=exc, stage=stage, batch=batch)
+            raise
+
+    def _accum_grad_multiple_step(self, batch: Any) -> int:
+        value = self.config.typed_value("accum_grad_multiple_step")
+        if callable(value):
+            value = call_user(value, "accum_grad_multiple_step", epoch=self.progress.epoch,
+                              epoch_continuous=self._epoch_continuous(batch),
+                              global_train_step=self.progress.global_train_step)
+        return max(1, int(value))
+
+    def _epoch_continuous(self, batch: Any) -> float:
+        frac = batch.complete_frac if batch.complete_frac is not None else 0.0
+        return self.progress.epoch - 1 + frac
+
+    def _set_step_learning_rate(self, batch: Any) -> float:
+        lr = self._epoch_lr
+        if self.config.typed_value("dynamic_learning_rate") is not None:
+            lr = self.lr_control.dynamic_learning_rate(
+                global_train_step=self.progress.global_train_step, epoch=self.progress.epoch,
+                epoch_continuous=self._epoch_continuous(batch), learning_rate=self._epoch_lr)
+        if lr != self._step_lr:
+            self.updater.set_learning_rate(lr)
+            self._step_lr = lr
+        return lr
+
+    def _maybe_log_step(self, result: StepResult) -> None:
+        every = 1 if self.config.int("log_verbosity") >= 4 else self.config.int("log_every_n_steps")
+        if result.step % every == 0 and logger.isEnabledFor(logging.INFO):
+            from kit.scores import format_step_line
+
+            logger.info(format_step_line(result.epoch, result.step, result.losses, result.seconds))
+
+    def _maybe_save_step_checkpoint(self) -> None:
+        every = self.config.int("save_every_n_steps")
+        if every and self.model_prefix and self.progress.global_train_step % every == 0:
+            self.save_checkpoint(kind="step")
+
+    # ---- epochs -----------------------------------------------------------------------
+
+    def _begin_epoch(self) -> None:
+        p = self.progress
+        self._epoch_lr = float(self.lr_control.learning_rate_for_epoch(p.epoch))
+        self.updater.set_learning_rate(self._epoch_lr)
+        self._step_lr = self._epoch_lr
+        # randomness depends on (random_seed, epoch, global step) only, not on process history
+        seed_all(derive_seed(self.config.int("random_seed"), p.epoch, p.global_train_step))
+        self.train_pipeline.set_epoch(p.epoch)
+        self.accounting = EpochAccounting()
+        p.epoch_running, p.steps_exhausted, p.step_in_epoch = True, False, 0
+        p.skipped_updates_in_epoch, p.epoch_start_global_step = 0, p.global_train_step
+        self._epoch_start_time = time.time()
+        self.model.train()
+        logger.info("start epoch %d, global train step %d, learning rate %g", p.epoch, p.global_train_step,
+                    self._epoch_lr)
+        self.events.emit("epoch_begin", epoch=p.epoch, learning_rate=self._epoch_lr)
+
+    def finish_epoch(self) -> dict[str, float]:
+        """End the current epoch: train scores, eval, next LR, score file, checkpoint, cleanup."""
+        p = self.progress
+        if not p.epoch_running:
+            raise KitError(f"no epoch is running (at the {p.where()})")
+        while self.train_step() is not None:  # the epoch's remaining steps, if any
+            pass
+        if p.accum_count:  # a partial accumulation window: RETURNN drops it, kit applies it
+            self._update(stack_losses({}), None)
+        epoch = p.epoch
+        if self.accounting.num_steps == 0:
+            raise DataError(f"epoch {epoch}: the training dataset gave no batches")
+        self.scores.set_scores(epoch, self.accounting.scores("train_loss_"),
+                               errors=self.accounting.error_keys("train_loss_"))
+        self.scores.set_meta(epoch, **self._epoch_meta())
+        self._record_eval(epoch, self.eval_model())
+        p.epoch, p.epoch_running, p.steps_exhausted, p.step_in_epoch = epoch + 1, False, False, 0
+        if p.epoch <= self.final_epoch:
+            self.lr_control.learning_rate_for_epoch(p.epoch)  # newbob decides with this epoch's scores
+        self._save_scores()
+        if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
+            self.save_checkpoint(kind="epoch", epoch=epoch)
+            resume.cleanup(self)
+        row = self.scores.row(epoch)
+        logger.info("finished epoch %d: %s", epoch, _format_scores(self.scores.scores(epoch)))
+        self.events.emit("epoch_end", epoch=epoch, scores=row)
+        return row
+
+    def _epoch_meta(self) -> dict[str, Any]:
+        import platform
+
+        import kit
+
+        meta = {
+            "global_train_step": self.progress.global_train_step,
+            "effective_learning_rate": self._step_lr,
+            "epoch_num_train_steps": self.accounting.num_steps,
+            "epoch_train_time_secs": round(time.time() - self._epoch_start_time, 3),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "hostname": platform.node(),
+            "device": str(self.device),
+            "torch_version": torch.__version__,
+            "kit_version": kit.__version__,
+            "skipped_updates": self.progress.skipped_updates_in_epoch,
+        }
+        if self.device.type == "cuda":
+            meta["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return meta
+
+    def train_epoch(self, should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
+        """The rest of the current epoch and its end work; None when ``should_stop`` paused it."""
+        while self.train_step() is not None:
+            if should_stop is not None and should_stop():
+                return None
+        return self.finish_epoch()
+
+    def train(self, should_stop: Callable[[], bool] | None = None) -> bool:
+        """Train up to ``num_epochs``; returns True when finished, False when paused."""
+        self._ensure_training_parts()
+        self.events.emit("train_begin")
+        while self.progress.epoch <= self.final_epoch or self.progress.epoch_running:
+            if self.train_epoch(should_stop) is None:
+                return False
+            if should_stop is not None and should_stop():
+                return self.progress.epoch > self.final_epoch
+        self.events.emit("train_end")
+        return True
+
+    # ---- eval -------------------------------------------------------------------------
+
+    def eval_datasets(self) -> dict[str, Any]:
+        return resume.eval_datasets(self.datasets)
+
+    def eval_model(self, datasets: Mapping[str, Any] | None = None) -> dict[str, dict[str, float]]:
+        """Scores per eval dataset: ``train_step`` under no_grad with ``train_flag=False``.
+
+        Training RNG is saved and restored around it, so evaluating never changes what
+        training does next.
+        """
+        self.setup()
+        datasets = dict(self.eval_datasets() if datasets is None else datasets)
+        if not datasets:
+            return {}
+        self.events.emit("eval_begin", datasets=list(datasets))
+        rng, was_training = get_rng_state(), self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                results = {name: self._eval_one(name, ds) for name, ds in datasets.items()}
+        finally:
+            set_rng_state(rng)
+            self.model.train(was_training)
+        self.events.emit("eval_end", scores=results)
+        return results
+
+    def _eval_one(self, name: str, dataset: Any) -> dict[str, float]:
+        from kit.data.pipeline import Pipeline
+
+        train_step = self.config.typed_value("train_step")
+        if train_step is None:
+            raise ConfigError("config key 'train_step' is not set: eval runs train_step with train_flag=False")
+        pipeline = Pipeline.from_config(dataset, self.config, train=False, extern_data=self.extern_data)
+        pipeline.set_epoch(max(1, self.progress.epoch - (0 if self.progress.epoch_running else 1)))
+        acc = EpochAccounting()
+        for batch in pipeline:
+            ctx = RunCtx("eval", train_flag=False, epoch=self.progress.epoch, step=acc.num_steps)
+            self._run_user_step(train_step, ctx, batch.to(self.device, non_blocking=True), stage=f"eval of {name!r}")
+            acc.add(stack_losses(ctx.losses))
+        pipeline.close()
+        if acc.num_steps == 0:
+            raise DataError(f"eval dataset {name!r} is empty (or every sequence was filtered out)")
+        self._last_eval_errors = getattr(self, "_last_eval_errors", {})
+        self._last_eval_errors[name] = acc.error_keys(f"{name}_loss_")
+        return acc.scores(f"{name}_loss_")
+
+    def _record_eval(self, epoch: int, results: dict[str, dict[str, float]]) -> None:
+        errors = getattr(self, "_last_eval_errors", {})
+        for name, scores in results.items():
+            self.scores.set_scores(epoch, scores, errors=errors.get(name, set()))
+
+    # ---- files ------------------------------------------------------------------------
+
+    def _save_scores(self) -> None:
+        if self.scores.path:
+            self.scores.save()
+
+    def save_checkpoint(self, *, kind: str = "step", epoch: int | None = None) -> Any:
+        """Write a checkpoint of the whole training state now (epoch or mid-epoch step)."""
+        ckpt = resume.save(self, kind=kind, epoch=epoch)
+        self.last_checkpoint = ckpt
+        self.events.emit("checkpoint_saved", checkpoint=ckpt)
+        return ckpt
+
+    def restore(self, ckpt: Any) -> None:
+        """Rewind the whole training state (weights, optimizer, progress, data position, RNG, scores)."""
+        from kit import checkpoints
+
+        self._ensure_training_parts()
+        model_file, state = checkpoints.load_checkpoint(ckpt)
+        if state is None:
+            raise KitError(f"checkpoint {ckpt.path} has no training state to restore; use load() to inspect it")
+        checkpoints.load_into_model(self.model, model_file["model"])
+        self.accounting = EpochAccounting()
+        resume.load_train_state(self, state)
+        p = self.progress
+        self.scores.remove_epochs_after(p.epoch - 1)
+        if p.epoch_running:
+            self.scores.set_learning_rate(p.epoch, self._epoch_lr)
+        self._save_scores()
+        self.last_checkpoint = ckpt
+
+    def forward(self, data: Any, callback: Any = None, *, seq_indices: list[int] | None = None) -> Any:
+        from kit.engine.forward import run_forward
+
+        self.setup()
+        return run_forward(self, data, callback, seq_indices=seq_indices)
+
+    def close(self) -> None:
+        """Shut down data workers and drop the model and optimizer."""
+        for pipe in [self.train_pipeline, *self._eval_pipelines.values()]:
+            if pipe is not None:
+                pipe.close()
+        self.train_pipeline = None
+        self._eval_pipelines.clear()
+        self.model = self.updater = self.grad_scaler = None
+        self.is_set_up = False
+
+
+def _finite(v: float) -> bool:
+    return v == v and v not in (float("inf"), float("-inf"))
+
+
+def _format_scores(scores: Mapping[str, float]) -> str:
+    return ", ".join(f"{k} {v:.4g}" for k, v in scores.items()) or "(no scores)"

@@ -1,0 +1,186 @@
+"""Forward: run ``forward_step`` over data and hand outputs per sequence to a callback.
+
+Callback protocol (RETURNN's ``ForwardCallbackIface``): ``init(*, model)``,
+``process_seq(*, seq_tag, outputs)`` with numpy arrays without the batch axis, cut to
+the sequence's length, and ``finish()``. Without a callback the outputs are collected
+into a :class:`ForwardResult`.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from kit.data.batch import Batch
+from kit.engine import amp
+from kit.engine.user_code import annotate_exception
+from kit.errors import ConfigError
+from kit.rng import get_rng_state, set_rng_state
+from kit.run_ctx import RunCtx, run_ctx_scope
+
+
+class ForwardResult(Mapping[str, dict[str, np.ndarray]]):
+    """seq_tag → {output name: numpy array}, in dataset order."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[str, dict[str, np.ndarray]] = {}
+        self._order: dict[str, int] = {}
+
+    # callback protocol, so a ForwardResult can collect by itself
+    def init(self, *, model: torch.nn.Module, **_: Any) -> None:
+        pass
+
+    def process_seq(self, *, seq_tag: str, outputs: dict[str, np.ndarray], seq_idx: int = 0, **_: Any) -> None:
+        self._outputs[seq_tag] = outputs
+        self._order[seq_tag] = seq_idx
+
+    def finish(self, **_: Any) -> None:
+        tags = sorted(self._outputs, key=lambda t: self._order[t])
+        self._outputs = {t: self._outputs[t] for t in tags}
+
+    def __getitem__(self, tag: str) -> dict[str, np.ndarray]:
+        try:
+            return self._outputs[tag]
+        except KeyError:
+            raise KeyError(f"no forward output for seq tag {tag!r}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._outputs)
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def to_pandas(self) -> Any:
+        """One row per sequence; scalar outputs as values, short ones as lists, long ones as shapes."""
+        import pandas as pd
+
+        rows = {}
+        for tag, outs in self._outputs.items():
+            rows[tag] = {name: _cell(arr) for name, arr in outs.items()}
+        return pd.DataFrame.from_dict(rows, orient="index").rename_axis("seq_tag")
+
+    def _repr_html_(self) -> str:
+        head = list(self._outputs.items())[:10]
+        rows = "".join(
+            f"<tr><td>{html.escape(tag)}</td>"
+            + "".join(f"<td>{html.escape(name)}: {a.shape} {a.dtype}</td>" for name, a in outs.items())
+            + "</tr>"
+            for tag, outs in head
+        )
+        more = f"<p>… {len(self) - len(head)} more</p>" if len(self) > len(head) else ""
+        return f"<p>ForwardResult: {len(self)} sequences</p><table>{rows}</table>{more}"
+
+    def __repr__(self) -> str:
+        return f"ForwardResult({len(self)} sequences)"
+
+
+def _cell(arr: np.ndarray) -> Any:
+    if arr.ndim == 0:
+        return arr.item()
+    if arr.size <= 8:
+        return arr.tolist()
+    return f"array{arr.shape} {arr.dtype}"
+
+
+def run_forward(engine: Any, data: Any, callback: Any = None, *, seq_indices: list[int] | None = None) -> Any:
+    """Forward ``data`` (a dataset or a Batch), longest sequences first, outputs to ``callback``."""
+    forward_step = engine.config.typed_value("forward_step")
+    if forward_step is None:
+        raise ConfigError("config key 'forward_step' is not set: forward needs forward_step(*, model, extern_data, **kwargs)")
+    result = callback if callback is not None else ForwardResult()
+    rng, was_training = get_rng_state(), engine.model.training
+    engine.model.eval()
+    try:
+        with torch.no_grad():
+            result.init(model=engine.model)
+            for batch in _batches(engine, data, seq_indices):
+                _forward_batch(engine, forward_step, batch, result)
+            result.finish()
+    finally:
+        set_rng_state(rng)
+        engine.model.train(was_training)
+    engine.events.emit("forward_end", result=result)
+    return result if callback is None else None
+
+
+def _batches(engine: Any, data: Any, seq_indices: list[int] | None) -> Iterator[Batch]:
+    if isinstance(data, Batch):
+        yield data
+        return
+    from kit.data.pipeline import Pipeline
+
+    # longest first: an OOM shows up at once, not after an hour; the user's dataset object is untouched
+    pipeline = Pipeline.from_config(data, engine.config, train=False, extern_data=engine.extern_data,
+                                    seq_ordering="sorted_reverse", seq_indices=seq_indices)
+    pipeline.set_epoch(max(1, engine.progress.epoch))
+    try:
+        yield from pipeline
+    finally:
+        pipeline.close()
+
+
+def _forward_batch(engine: Any, forward_step: Any, batch: Batch, callback: Any) -> None:
+    """Run one batch; on CUDA OOM split it in halves (recursively) when allowed."""
+    try:
+        outputs = _run(engine, forward_step, batch)
+    except torch.cuda.OutOfMemoryError:
+        if not engine.config.bool("forward_auto_split_batch_on_oom") or batch.num_seqs <= 1:
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        half = batch.num_seqs // 2
+        _forward_batch(engine, forward_step, batch.select(slice(0, half)), callback)
+        _forward_batch(engine, forward_step, batch.select(slice(half, None)), callback)
+        return
+    _deliver(batch, outputs, callback)
+
+
+def _run(engine: Any, forward_step: Any, batch: Batch) -> dict[str, Any]:
+    ctx = RunCtx("forward", train_flag=False, epoch=engine.progress.epoch, step=batch.batch_idx,
+                 expected_outputs=engine.config.typed_value("model_outputs"))
+    batch_dev = batch.to(engine.device, non_blocking=True)
+    try:
+        with run_ctx_scope(ctx), amp.autocast(engine.device, engine.amp_dtype):
+            forward_step(model=engine.model, extern_data=batch_dev)
+        ctx.check_outputs()
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        annotate_exception(exc, stage="forward", model=engine.model, batch=batch)
+        engine.events.emit("exception", error=exc, stage="forward", batch=batch)
+        raise
+    return dict(ctx.outputs)
+
+
+def _deliver(batch: Batch, outputs: dict[str, Any], callback: Any) -> None:
+    """One device→host copy per output per batch, then numpy slices per sequence."""
+    host: dict[str, tuple[np.ndarray, list[int] | None]] = {}
+    for name, out in outputs.items():
+        tensor = out.tensor.detach()
+        if tensor.dtype in (torch.bfloat16, torch.float16):
+            tensor = tensor.float()
+        array = tensor.cpu().numpy()
+        host[name] = (array, _lengths_for(out, array, batch))
+    for i, tag in enumerate(batch.seq_tags):
+        seq_out = {}
+        for name, (array, lengths) in host.items():
+            seq_out[name] = array[i, : lengths[i]] if lengths is not None else array[i]
+        seq_idx = batch.seq_idx[i] if batch.seq_idx else i
+        callback.process_seq(seq_tag=tag, outputs=seq_out, **({"seq_idx": seq_idx} if isinstance(callback, ForwardResult) else {}))
+
+
+def _lengths_for(out: Any, array: np.ndarray, batch: Batch) -> list[int] | None:
+    """Explicit ``lengths=``; else the lengths of an input whose padded time matches axis 1."""
+    if out.lengths is not None:
+        lengths = out.lengths
+        return lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+    if array.ndim < 2:
+        return None
+    for field in batch.fields.values():
+        if field.lengths is not None and field.tensor.shape[1] == array.shape[1]:
+            return field.lengths.tolist()
+    return None

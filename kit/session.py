@@ -1,0 +1,460 @@
+"""``Session``: train, pause, look, change your mind and continue — one object, never stale.
+
+>>> session = kit.Session(get_model=..., train_step=..., train=ds, num_epochs=5)  # doctest: +SKIP
+>>> session.train_step()       # one step → StepResult
+>>> session.train_steps(100)   # continues where the last call stopped
+>>> session.train_epoch()      # rest of the epoch, eval, checkpoint → scores
+
+Every call runs the same :class:`kit.Engine` methods as the CLI. A session is a world of
+its own: its RNG states are swapped in around its work, so two sessions stepped in turns
+in one kernel each get exactly what they would get alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kit import rng
+from kit.config import Config
+from kit.engine.engine import Engine, StepResult
+from kit.errors import ConfigError, SessionStateError
+from kit.events import Events
+from kit.history import History
+from kit.interrupts import InterruptGuard
+
+logger = logging.getLogger("kit")
+
+
+@dataclass
+class Paused:
+    """Returned by a ``train_*`` call that stopped at a step boundary (interrupt or Pause)."""
+
+    epoch: int
+    step: int
+    reason: str
+    paused: bool = True
+
+    def __str__(self) -> str:
+        return (f"paused at epoch {self.epoch}, step {self.step} ({self.reason}) — "
+                f"call train_epoch() or train() to continue")
+
+    __repr__ = __str__
+
+
+class Session:
+    """Drive the engine step by step from a notebook.
+
+    Args:
+        config: a :class:`Config` (or mapping); keyword arguments are config keys too.
+        live: show the live dashboard whenever training runs.
+    """
+
+    def __init__(self, config: Config | Mapping[str, Any] | None = None, /, *, live: bool = False, **kwargs: Any):
+        if isinstance(config, Config):
+            self.config = config.copy().update(kwargs)
+        else:
+            self.config = Config(dict(config or {}), **kwargs)
+        self.events = Events()
+        self.engine = Engine(self.config, events=self.events)
+        self._history = History()
+        self.events.on("step_end", self._history.on_step_end)
+        self.live = live
+        self.debug_hook: Callable[..., Any] | None = self.config.typed_value("debug_hook")
+        self.last_failure: Any = None
+        self._guard = InterruptGuard()
+        self._rng: tuple | None = None  # this session's RNG world, swapped in around its work
+        self._inspecting: str | None = None  # set by checkpoints.load(): weights are not the training state
+        self._stashed_state: dict | None = None
+        self._mid_step: str | None = None
+        self._closed = False
+        self.status = "ready"
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike, /, **overrides: Any) -> Session:
+        """A session from a RETURNN-style config file; keyword arguments override its keys."""
+        live = overrides.pop("live", False)
+        return cls(Config.from_file(path, **overrides), live=live)
+
+    # ---- the session's world ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _world(self) -> Iterator[None]:
+        """Swap this session's RNG states in, and the caller's back afterwards."""
+        if self._closed:
+            raise SessionStateError("this session is closed; create a new one")
+        outer = rng.snapshot()
+        if self._rng is not None:
+            rng.restore(self._rng)
+        try:
+            yield
+        finally:
+            self._rng = rng.snapshot()
+            rng.restore(outer)
+
+    def _setup(self) -> None:
+        with self._world():
+            self.engine.setup()
+            self._history.device = self.engine.device
+
+    # ---- position and parts -----------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The user's model (what ``get_model`` returned)."""
+        self._setup()
+        return self.engine.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        self._training_parts()
+        return self.engine.updater.optimizer
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being trained, or the next one when none is running."""
+        self._setup()
+        return self.engine.progress.epoch
+
+    @property
+    def global_train_step(self) -> int:
+        """Train steps (micro-batches) done so far."""
+        self._setup()
+        return self.engine.progress.global_train_step
+
+    @property
+    def step_in_epoch(self) -> int:
+        self._setup()
+        return self.engine.progress.step_in_epoch
+
+    @property
+    def progress(self) -> Any:
+        self._setup()
+        return self.engine.progress
+
+    @property
+    def device(self) -> torch.device:
+        self._setup()
+        return self.engine.device
+
+    @property
+    def learning_rate(self) -> float:
+        self._training_parts()
+        return self.engine.updater.learning_rate
+
+    def _training_parts(self) -> None:
+        with self._world():
+            self.engine._ensure_training_parts()
+            self._history.device = self.engine.device
+
+    # ---- training ---------------------------------------------------------------------
+
+    def train_step(self) -> StepResult | Paused | None:
+        """One step of the current epoch (rolling into the next epoch when this one is done)."""
+        result = self.train_steps(1)
+        return result
+
+    def train_steps(self, n: int) -> StepResult | Paused | None:
+        """``n`` more steps, continuing where the last call stopped; returns the last StepResult."""
+        if n < 1:
+            raise ValueError(f"train_steps(n): n must be >= 1, got {n}")
+
+        def run() -> StepResult | None:
+            last = None
+            for _ in range(n):
+                result = self._next_step()
+                if result is None:
+                    break
+                last = result
+                if self._guard.requested:
+                    break
+            return last
+
+        return self._run_training(run)
+
+    def _next_step(self) -> StepResult | None:
+        engine = self.engine
+        while True:
+            if not engine.progress.epoch_running and engine.progress.epoch > engine.final_epoch:
+                self.status = "finished"
+                return None
+            result = engine.train_step()
+            if result is not None:
+                return result
+            engine.finish_epoch()
+            if self._guard.requested:
+                return None
+
+    def train_epoch(self, *, live: bool | None = None) -> dict[str, Any] | Paused | None:
+        """Finish the current epoch (or train the next one): steps, scores, eval, checkpoint, LR."""
+
+        def run() -> dict[str, Any] | None:
+            if not self.engine.progress.epoch_running and self.engine.progress.epoch > self.engine.final_epoch:
+                raise SessionStateError(
+                    f"all {self.engine.final_epoch} epochs are trained; call session.extend(num_epochs) to train more")
+            return self.engine.train_epoch(should_stop=lambda: self._guard.requested)
+
+        return self._run_training(run, live=live)
+
+    def train(self, num_epochs: int | None = None, *, live: bool | None = None) -> dict[str, Any] | Paused | None:
+        """Train up to ``num_epochs`` (default: the config's); returns the last epoch's scores."""
+        if num_epochs is not None:
+            self.extend(num_epochs)
+
+        def run() -> dict[str, Any] | None:
+            finished = self.engine.train(should_stop=lambda: self._guard.requested)
+            if not finished:
+                return None
+            self.status = "finished"
+            last = self.engine.scores.epochs[-1] if self.engine.scores.epochs else None
+            return self.engine.scores.row(last) if last is not None else {}
+
+        return self._run_training(run, live=live)
+
+    def extend(self, num_epochs: int) -> None:
+        """Raise the final epoch without resetting LR control or history."""
+        if num_epochs < self.config.int("num_epochs"):
+            raise ValueError(f"extend(num_epochs={num_epochs}): must be >= the current num_epochs "
+                             f"{self.config.int('num_epochs')}")
+        self.config.update(num_epochs=num_epochs)
+
+    def _run_training(self, run: Callable[[], Any], *, live: bool | None = None) -> Any:
+        """Common frame of every train_* call: preconditions, world, interrupt guard, status."""
+        self._check_can_train()
+        self._training_parts()
+        if live if live is not None else self.live:
+            self._show_dashboard()
+        self._guard.clear()
+        self.status = "running"
+        with self._world(), self._guard.held():
+            try:
+                self._mid_step = "running"
+                result = run()
+                self._mid_step = None
+            except KeyboardInterrupt:
+                self.status = "error: interrupted mid-step"
+                raise
+            except BaseException as exc:
+                self._mid_step = None
+                self.status = f"error: {type(exc).__name__}: {exc}".split("\n")[0]
+                raise
+        if self._guard.requested:
+            return self._paused()
+        if self.status == "running":
+            self.status = "ready"
+        return result
+
+    def _paused(self) -> Paused:
+        p = self.engine.progress
+        paused = Paused(p.epoch, p.step_in_epoch, self._guard.reason or "pause requested")
+        self._guard.clear()
+        self.status = "paused"
+        logger.warning("%s", paused)
+        self.events.emit("interrupt", status=paused)
+        return paused
+
+    def pause(self) -> None:
+        """Stop the running train_* call at the next step boundary (e.g. from a button)."""
+        self._guard.request("pause requested")
+
+    def _check_can_train(self) -> None:
+        if self._inspecting:
+            raise SessionStateError(
+                f"the model holds the weights of {self._inspecting} for inspection (checkpoints.load); "
+                "call session.checkpoints.restore(...) to continue from that checkpoint, or "
+                "session.reload_latest() to go back to the training state")
+        if self._mid_step:
+            raise SessionStateError(
+                f"the last train call was interrupted mid-step (a second interrupt within a second) at "
+                f"{self.engine.progress.where()}: the model or optimizer may be half-updated; call "
+                "session.checkpoints.restore(...) or session.reload_latest() to continue from a consistent state")
+
+    # ---- checkpoints --------------------------------------------------------------------
+
+    def save(self) -> Any:
+        """Write a step checkpoint of the whole training state now."""
+        self._check_can_train()
+        if not self.config.typed_value("model"):
+            raise ConfigError("config key 'model' is not set: saving needs a checkpoint path prefix")
+        self._training_parts()
+        with self._world():
+            return self.engine.save_checkpoint(kind="step")
+
+    @property
+    def checkpoints(self) -> Any:
+        """Browser over the checkpoint files: .table, .load, .restore, .compare, .widget()."""
+        from kit.checkpoint_browser import CheckpointBrowser
+
+        return CheckpointBrowser(self)
+
+    def reload_latest(self) -> None:
+        """Leave inspection: put back the training state from before ``checkpoints.load``,
+        or (when there is none in memory) restore the newest complete checkpoint."""
+        from kit import checkpoints
+
+        if self._stashed_state is not None:
+            checkpoints.load_into_model(self.engine.model, self._stashed_state)
+            self._stashed_state = None
+        else:
+            ckpt = checkpoints.latest(self.config.typed_value("model") or "")
+            if ckpt is None:
+                raise SessionStateError("no weights kept in memory and no complete checkpoint to reload")
+            self._restore(ckpt)
+        self._inspecting = None
+        self._mid_step = None
+        self.status = "ready"
+
+    def _restore(self, ckpt: Any) -> None:
+        self._training_parts()
+        with self._world():
+            self.engine.restore(ckpt)
+        self._history.truncate_after(self.engine.progress.global_train_step)
+        self._inspecting = None
+        self._stashed_state = None
+        self._mid_step = None
+
+    # ---- eval and forward ---------------------------------------------------------------
+
+    def eval(self, datasets: Any = None) -> dict[str, dict[str, float]]:
+        """Scores per eval dataset; recorded in the score table when at an epoch end."""
+        self._setup()
+        if datasets is not None and not isinstance(datasets, Mapping):
+            datasets = {"eval": datasets}
+        if datasets is not None:
+            from kit.data import make_dataset
+
+            datasets = {name: make_dataset(ds) for name, ds in datasets.items()}
+        with self._world():
+            results = self.engine.eval_model(datasets)
+        p = self.engine.progress
+        if datasets is None and not p.epoch_running and p.epoch > 1 and self.engine.scores is not None:
+            self.engine._record_eval(p.epoch - 1, results)
+            self.engine._save_scores()
+        return results
+
+    def forward(self, data: Any, callback: Any = None) -> Any:
+        """Outputs per sequence for a dataset, a Batch, or a list of seq tags of a known dataset."""
+        self._setup()
+        if self.config.typed_value("forward_step") is None:
+            raise ConfigError("config key 'forward_step' is not set: forward needs forward_step(*, model, extern_data, **kwargs)")
+        seq_indices = None
+        if isinstance(data, (list, tuple)) and all(isinstance(t, str) for t in data):
+            data, seq_indices = self._resolve_tags(list(data))
+        elif isinstance(data, (Mapping, str)):
+            from kit.data import make_dataset
+
+            data = make_dataset(data)
+        with self._world():
+            return self.engine.forward(data, callback, seq_indices=seq_indices)
+
+    def _resolve_tags(self, tags: list[str]) -> tuple[Any, list[int]]:
+        datasets = {k: v for k, v in self.engine.datasets.items() if v is not None}
+        for dataset in datasets.values():
+            try:
+                return dataset, [dataset.get_seq_index(t) for t in tags]
+            except KeyError:
+                continue
+        known = ", ".join(datasets) or "none"
+        missing = [t for t in tags if not any(_has_tag(ds, t) for ds in datasets.values())]
+        raise KeyError(f"unknown seq tag(s) {missing[:5]}: not in any of this session's datasets ({known})")
+
+    # ---- stores and views ---------------------------------------------------------------
+
+    @property
+    def scores(self) -> Any:
+        """pandas DataFrame, one row per epoch — the same as the score file."""
+        self._setup()
+        return self.engine.scores.to_pandas()
+
+    @property
+    def history(self) -> Any:
+        """pandas DataFrame, one row per train step (losses, learning rate, seconds, memory)."""
+        return self._history.to_pandas()
+
+    @property
+    def score_table(self) -> Any:
+        self._setup()
+        return self.engine.scores
+
+    def on(self, event: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Subscribe ``fn(**payload)`` to an event (see ``kit.events``)."""
+        return self.events.on(event, fn)
+
+    def show_loop(self) -> str:
+        """Print the training loop with what is attached to each event."""
+        text = self.events.describe()
+        print(text)
+        return text
+
+    def dashboard(self) -> Any:
+        from kit.widgets import Dashboard
+
+        return Dashboard(self)
+
+    def _show_dashboard(self) -> None:
+        try:
+            from IPython.display import display
+
+            display(self.dashboard())
+        except ImportError:
+            pass
+
+    # ---- lifetime ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free model, optimizer, workers and device memory."""
+        if self._closed:
+            return
+        self.engine.close()
+        self.last_failure = None
+        self._stashed_state = None
+        self._drop_stored_traceback()
+        self._closed = True
+        self.status = "closed"
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _drop_stored_traceback(self) -> None:
+        """IPython keeps the last exception's frames alive; drop them when they hold this session."""
+        tb = getattr(sys, "last_traceback", None)
+        refs = {id(self), id(self.engine)}
+        while tb is not None:
+            if any(id(v) in refs for v in tb.tb_frame.f_locals.values()):
+                for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+                    if hasattr(sys, name):
+                        setattr(sys, name, None)
+                break
+            tb = tb.tb_next
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        p = self.engine.progress
+        return (f"<kit.Session {self.status}: epoch {p.epoch}/{self.config.int('num_epochs')}, "
+                f"step {p.step_in_epoch}, global step {p.global_train_step}>")
+
+    def _repr_html_(self) -> str:
+        from kit.widgets.summary import session_html
+
+        return session_html(self)
+
+
+def _has_tag(dataset: Any, tag: str) -> bool:
+    try:
+        dataset.get_seq_index(tag)
+        return True
+    except KeyError:
+        return False
