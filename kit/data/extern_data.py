@@ -146,8 +146,8 @@ class ExternData(Mapping[str, DataSpec]):
         for key, spec in self.specs.items():
             if key not in seq:
                 raise DataError(
-                    f"data key {key!r} (declared in extern_data as {spec.describe()}) is missing in "
-                    f"sequence {tag!r}, which has keys {sorted(seq)}"
+                    f"data key {key!r} is missing in sequence {tag!r}: expected the keys of extern_data "
+                    f"{list(self.specs)}, received {sorted(seq)} ({key!r} is declared as {spec.describe()})"
                 )
             out[key] = self._check_array(spec, np.asarray(seq[key]), tag)
         return out

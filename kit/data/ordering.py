@@ -51,13 +51,17 @@ class Ordering:
 def parse(method: str) -> Ordering:
     """Parse a ``seq_ordering`` string; ConfigError with the accepted forms if it is wrong."""
     m = _PATTERN.fullmatch(method) if isinstance(method, str) else None
-    if m is None or (m["name"] in _NEEDS_BINS) != (m["bins"] is not None):
+    ok = m is not None and (
+        (m["name"] in _NEEDS_BINS) == (m["bins"] is not None)
+        or (m["name"] == "random" and m["k"] is None and not m["bins"].startswith("."))
+    )
+    if not ok:
         raise ConfigError(
             f"seq_ordering: got {method!r}, expected one of default, reverse, sorted, sorted_reverse, "
             "random[:k], laplace:B[:k], laplace:.S[:k], sort_bin_shuffle[_x2]:B[:k] (B bins, .S seqs per bin)"
         )
     if m["name"] == "random" and m["bins"] is not None:  # "random:k": the only number is the seed
-        return Ordering("random", k=int(m["bins"].lstrip(".")))
+        return Ordering("random", k=int(m["bins"]))
     bins = m["bins"]
     k = int(m["k"] or 0)
     if bins is None:
