@@ -232,7 +232,7 @@ class ScoreTable:
         ]
         for e in self.epochs:
             row = self._rows[e]
-            lr = "-" if row["learning_rate"] is None else format_value(row["learning_rate"])
+            lr = "-" if row["learning_rate"] is None else format_lr(row["learning_rate"])
             scores = ", ".join(f"{k} {format_value(v)}" for k, v in row["scores"].items())
             lines.append(f"  ep {e}: lr {lr}" + (f", {scores}" if scores else ""))
         return "\n".join(lines)
@@ -243,7 +243,9 @@ class ScoreTable:
         except ImportError:
             return "<pre>" + html.escape(repr(self)) + "</pre>"
         score_cols = ["learning_rate", *(k for k in self.columns() if k in self._all_score_keys())]
-        return frame[score_cols].to_html(float_format=lambda v: format_value(float(v)), na_rep="")
+        return frame[score_cols].to_html(
+            float_format=lambda v: format_value(float(v)), formatters={"learning_rate": format_lr}
+        )
 
     def _all_score_keys(self) -> set[str]:
         return {k for e in self.epochs for k in self._rows[e]["scores"]}
@@ -299,7 +301,9 @@ def parse_returnn_lr_file(text: str, path: str = "<text>") -> dict[str, Any]:
             f"score file '{path}': neither kit JSON nor a RETURNN learning-rate file ({exc.msg})"
         ) from None
     if not isinstance(tree.body, ast.Dict):
-        raise ScoreFileError(f"score file '{path}': expected a dict epoch -> EpochData(...)")
+        raise ScoreFileError(
+            f"score file '{path}': refused {_snippet(tree.body)!r}; expected a dict epoch -> EpochData(...)"
+        )
     epochs = {}
     for key_node, value_node in zip(tree.body.keys, tree.body.values):
         epoch = _literal(key_node, path)
@@ -383,6 +387,11 @@ def format_value(v: Any) -> str:
     return str(v)
 
 
+def format_lr(lr: float) -> str:
+    """A learning rate with 4 significant digits: ``0.001``, ``0.00015``, ``1e-05``."""
+    return f"{lr:.4g}"
+
+
 def format_step_line(
     epoch: int,
     step: int,
@@ -418,7 +427,7 @@ def format_epoch_summary(
     learning_rate: float | None = None,
     secs: float | None = None,
 ) -> str:
-    """``"ep 3, lr 1.000e-03, train: score ce 0.512 error fer 0.120, dev: score ce 0.601"``."""
+    """``"ep 3, lr 0.001, train: score ce 0.512 error fer 0.120, dev: score ce 0.601"``."""
     errors = set(error_keys)
     groups: dict[str, dict[str, list[str]]] = {}
     for key, value in scores.items():
@@ -429,7 +438,7 @@ def format_epoch_summary(
         )
     parts = [f"ep {epoch}"]
     if learning_rate is not None:
-        parts.append(f"lr {format_value(float(learning_rate))}")
+        parts.append(f"lr {format_lr(float(learning_rate))}")
     for dataset, kinds in groups.items():
         text = " ".join(f"{kind} {' '.join(items)}" for kind, items in kinds.items() if items)
         parts.append(f"{dataset}: {text}")

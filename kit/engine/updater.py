@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -266,9 +267,7 @@ class Updater:
             return
         with torch.no_grad():
             for param in self._grads():
-                noise = torch.empty_like(param.grad)
-                torch.nn.init.trunc_normal_(noise, std=std, a=-2 * std, b=2 * std)
-                param.grad.add_(noise)
+                param.grad.add_(truncated_normal_like(param.grad, std))
 
     def clip_gradients(self, need_grad_norm: bool = False) -> torch.Tensor | None:
         """Clip by value (``gradient_clip``), then by global norm (``gradient_clip_global_norm``).
@@ -335,6 +334,17 @@ class Updater:
             )
         self.optimizer.load_state_dict(opt_state)
         self.learning_rate = float(state.get("learning_rate", self.learning_rate))
+
+
+def truncated_normal_like(tensor: torch.Tensor, std: float) -> torch.Tensor:
+    """Normal noise truncated to ±2 std, by the inverse CDF.
+
+    Not ``torch.nn.init.trunc_normal_``: it rejection-samples and reads ``mask.any()`` back to the host.
+    """
+    lo, hi = (1.0 + math.erf(-2.0 / math.sqrt(2.0))) / 2.0, (1.0 + math.erf(2.0 / math.sqrt(2.0))) / 2.0
+    noise = torch.empty_like(tensor).uniform_(2 * lo - 1, 2 * hi - 1)
+    noise.erfinv_().mul_(std * math.sqrt(2.0))
+    return noise.clamp_(-2 * std, 2 * std)
 
 
 def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
