@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# `from helpers.models import ...` works from every test folder (tests/ has no __init__.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Set at import time so that subprocesses started by tests (CLI, torchrun) inherit it.
 os.environ["KIT_TEST"] = "1"
