@@ -108,6 +108,12 @@ class RunCtx:
                 )
             self.expected_outputs = {name: {} for name in self.expected_outputs}
 
+    def __repr__(self) -> str:  # never prints tensor values (that would copy them to the host)
+        return (
+            f"RunCtx({self.stage!r}, train_flag={self.train_flag}, epoch={self.epoch}, step={self.step}, "
+            f"losses={list(self.losses)}, outputs={list(self.outputs)})"
+        )
+
     # ---- activation -------------------------------------------------------------------
 
     def activate(self) -> contextlib.AbstractContextManager[RunCtx]:

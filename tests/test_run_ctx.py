@@ -259,3 +259,10 @@ def test_expected_output_shape_is_checked():
         ctx.mark_as_output(torch.zeros(2, 5, 4), "logits")
     ctx.mark_as_output(torch.zeros(2, 7, 3), "logits")
     ctx.check_outputs()
+
+
+def test_repr_names_losses_without_tensor_values():
+    ctx = train_ctx()
+    ctx.mark_as_loss(torch.full((3,), 7.25), "ce")
+    text = repr(ctx)
+    assert "losses=['ce']" in text and "7.25" not in text and "tensor" not in text
