@@ -1,0 +1,461 @@
+"""Checkpoint files on disk: naming, atomic save with a manifest, safe load, verify, latest, delete."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pickle
+import re
+import time
+import zipfile
+from collections.abc import Mapping
+from typing import IO, Any
+
+import torch
+
+from kit import fileio
+from kit.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+
+logger = logging.getLogger("kit")
+
+MANIFEST_FORMAT = 1
+_KINDS = ("step", "epoch")  # order at equal global step: a step checkpoint is older than the epoch one
+_HASH_CHUNK = 8 << 20
+
+
+class NotSafetensorsError(CorruptCheckpointError, UnsafeCheckpointError):
+    """A ``.safetensors`` path holds something else (e.g. a pickle); it is never unpickled."""
+
+
+class CheckpointNotFoundError(CorruptCheckpointError, FileNotFoundError):
+    """A file a checkpoint needs is not there."""
+
+
+# ----------------------------------------------------------------------------------------------
+# naming
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint on disk (it may be incomplete: ``complete`` means the manifest is present)."""
+
+    epoch: int
+    global_train_step: int | None
+    kind: str  # "epoch" | "step"
+    path: str
+    opt_path: str
+    manifest_path: str
+    complete: bool
+
+    @property
+    def name(self) -> str:
+        """The file name of the model file without ``.pt``, e.g. ``model.003`` or ``model.003.step00001250``."""
+        return os.path.basename(self.path)[: -len(".pt")]
+
+    @property
+    def exists(self) -> bool:
+        return os.path.exists(self.path)
+
+    @property
+    def size(self) -> int:
+        """Bytes of the model and training-state files together."""
+        return sum(os.path.getsize(p) for p in (self.path, self.opt_path) if os.path.exists(p))
+
+    @property
+    def mtime(self) -> float | None:
+        for p in (self.manifest_path, self.path):
+            if os.path.exists(p):
+                return os.path.getmtime(p)
+        return None
+
+    @property
+    def sort_key(self) -> tuple[float, int, int]:
+        step = -1 if self.global_train_step is None else self.global_train_step
+        return (step, self.epoch, _KINDS.index(self.kind))
+
+    def manifest(self) -> dict:
+        """The parsed manifest; :class:`CorruptCheckpointError` if missing or unreadable."""
+        return _read_manifest(self)
+
+    def __str__(self) -> str:
+        state = "" if self.complete else " (incomplete)"
+        return f"{self.name} [epoch {self.epoch}, step {self.global_train_step}]{state}"
+
+
+def checkpoint_paths(
+    prefix: str, epoch: int, *, global_train_step: int | None = None, kind: str = "epoch"
+) -> tuple[str, str, str]:
+    """(model file, training-state file, manifest) for a checkpoint of ``prefix``."""
+    stem = f"{prefix}.{epoch:03d}"
+    if kind == "step":
+        stem += f".step{global_train_step:08d}"
+    elif kind != "epoch":
+        raise ValueError(f"checkpoint kind must be 'epoch' or 'step', got {kind!r}")
+    return stem + ".pt", stem + ".opt.pt", stem + ".manifest.json"
+
+
+def list_checkpoints(prefix: str) -> list[Checkpoint]:
+    """Every checkpoint of ``prefix`` with at least one file present, oldest first."""
+    directory = os.path.dirname(prefix) or "."
+    if not os.path.isdir(directory):
+        return []
+    pattern = re.compile(
+        re.escape(os.path.basename(prefix)) + r"\.(\d+)(?:\.step(\d+))?\.(?:pt|opt\.pt|manifest\.json)$"
+    )
+    found = set()
+    for name in os.listdir(directory):
+        m = pattern.match(name)
+        if m:
+            found.add((int(m.group(1)), None if m.group(2) is None else int(m.group(2))))
+    ckpts = [_make_checkpoint(prefix, epoch, step) for epoch, step in found]
+    return _sorted(ckpts)
+
+
+def _make_checkpoint(prefix: str, epoch: int, step: int | None) -> Checkpoint:
+    kind = "epoch" if step is None else "step"
+    path, opt_path, manifest_path = checkpoint_paths(prefix, epoch, global_train_step=step, kind=kind)
+    complete = os.path.exists(manifest_path)
+    if kind == "epoch" and complete:
+        try:
+            step = int(_read_json(manifest_path)["global_train_step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            step = None
+    return Checkpoint(epoch, step, kind, path, opt_path, manifest_path, complete)
+
+
+def _sorted(ckpts: list[Checkpoint]) -> list[Checkpoint]:
+    """Order by (global step, epoch, step-kind before epoch-kind).
+
+    An epoch checkpoint whose step is unknown (no manifest) ended after every checkpoint of an
+    epoch <= its own, so it is placed right after the newest of those.
+    """
+    known = [c for c in ckpts if c.global_train_step is not None]
+
+    def key(c: Checkpoint) -> tuple:
+        if c.global_train_step is not None:
+            return c.sort_key
+        before = [k.global_train_step for k in known if k.epoch <= c.epoch]
+        return (max(before, default=-1), c.epoch, _KINDS.index(c.kind))
+
+    return sorted(ckpts, key=key)
+
+
+# ----------------------------------------------------------------------------------------------
+# saving
+
+
+class _HashingWriter:
+    """Passes writes through to ``f`` while counting bytes and computing sha256."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+        self.error: BaseException | None = None
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        try:
+            return self._f.write(data)
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _write_torch_file(path: str, obj: Any) -> dict:
+    """Atomically ``torch.save`` ``obj`` to ``path``; returns its manifest entry."""
+    with fileio.atomic_open(path, "wb") as f:
+        writer = _HashingWriter(f)
+        try:
+            torch.save(obj, writer)
+        except BaseException:
+            # torch's zip writer replaces a failed write (e.g. ENOSPC) by an opaque "unexpected pos"
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+    return {"name": os.path.basename(path), "size": writer.size, "sha256": writer.sha256.hexdigest()}
+
+
+def _write_manifest(path: str, manifest: dict) -> None:
+    fileio.atomic_write_bytes(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+
+
+def save(
+    prefix: str,
+    *,
+    epoch: int,
+    model_state: dict,
+    train_state: dict | None,
+    global_train_step: int,
+    effective_learning_rate: float | None = None,
+    kind: str = "epoch",
+    config_digest: str = "",
+    extra_meta: dict | None = None,
+) -> Checkpoint:
+    """Write a checkpoint: model file, training-state file, then the manifest that completes it.
+
+    A crash at any point leaves every earlier checkpoint untouched and this one incomplete
+    (it does not count). Temp files left by an earlier crash are removed first.
+    """
+    import kit
+
+    path, opt_path, manifest_path = checkpoint_paths(
+        prefix, epoch, global_train_step=global_train_step, kind=kind
+    )
+    directory = os.path.dirname(os.path.abspath(path))
+    for stale in fileio.remove_stale_temp_files(directory, os.path.basename(prefix)):
+        logger.info("Removed temp file of an interrupted write: %s", stale)
+    if os.path.exists(manifest_path):
+        # Overwriting: un-complete the old one first, so that no manifest ever describes mixed files.
+        os.unlink(manifest_path)
+        fileio.fsync_dir(directory)
+    files = {
+        "model": _write_torch_file(
+            path,
+            {
+                "model": model_state,
+                "epoch": int(epoch),
+                "step": int(global_train_step),
+                "effective_learning_rate": effective_learning_rate,
+                "kit_version": kit.__version__,
+            },
+        )
+    }
+    if train_state is not None:
+        files["train_state"] = _write_torch_file(opt_path, train_state)
+    else:
+        files["train_state"] = None
+        if os.path.exists(opt_path):
+            os.unlink(opt_path)  # a stale one from an earlier save of this name
+    now = time.time()
+    _write_manifest(
+        manifest_path,
+        {
+            "format": MANIFEST_FORMAT,
+            "kind": kind,
+            "epoch": int(epoch),
+            "global_train_step": int(global_train_step),
+            "files": files,
+            "kit_version": kit.__version__,
+            "torch_version": torch.__version__,
+            "config_digest": config_digest,
+            "effective_learning_rate": effective_learning_rate,
+            "time": now,
+            "time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+            "extra": dict(extra_meta or {}),
+        },
+    )
+    logger.info("Saved checkpoint %s", path)
+    return Checkpoint(int(epoch), int(global_train_step), kind, path, opt_path, manifest_path, True)
+
+
+def export_safetensors(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], path: str) -> str:
+    """Write the weights as a ``.safetensors`` file (atomically); returns ``path``."""
+    st = _import_safetensors()
+    state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
+    tensors, seen = {}, set()
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"export_safetensors: {key!r} is a {type(value).__name__}, not a tensor")
+        t = value.detach().cpu().contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in seen:
+            t = t.clone()  # safetensors refuses shared storage (tied weights)
+        seen.add(t.untyped_storage().data_ptr())
+        tensors[key] = t
+    import kit
+
+    data = st.save(tensors, metadata={"format": "pt", "kit_version": kit.__version__})
+    fileio.atomic_write_bytes(path, data)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+
+
+def load(path: str | os.PathLike, *, unsafe_trust: bool = False, map_location: Any = "cpu") -> Any:
+    """Load one file safely: ``torch.load(weights_only=True)``, or safetensors by content.
+
+    Raises:
+        UnsafeCheckpointError: the file needs code execution to unpickle (the global is named).
+        CorruptCheckpointError: truncated, corrupt or missing file.
+
+    Only ``unsafe_trust=True`` unpickles arbitrary objects; do that only for files you trust.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointNotFoundError(f"Checkpoint file not found: {path}")
+    if path.endswith(".safetensors"):
+        return _load_safetensors(path, map_location)
+    if unsafe_trust:
+        logger.warning(
+            "Loading %s with weights_only=False (unsafe_trust=True): this runs any code the file contains",
+            path,
+        )
+    try:
+        return torch.load(path, map_location=map_location, weights_only=not unsafe_trust)  # noqa: S614
+    except pickle.UnpicklingError as e:
+        # torch words it "Unsupported global: GLOBAL os.system ..." or "unsupported GLOBAL posix.system whose
+        # module posix is blocked"
+        match = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if match:
+            raise UnsafeCheckpointError(
+                f"Refused to load {path}: unpickling it needs the global {match.group(1)!r}, which could run "
+                f"code. kit's own checkpoints never need that. If you trust the file, use "
+                f"kit.checkpoints.load(path, unsafe_trust=True)."
+            ) from None
+        raise CorruptCheckpointError(
+            f"Cannot load {path}: corrupt or not loadable safely ({_first_line(e)})"
+        ) from e
+    except (RuntimeError, EOFError, zipfile.BadZipFile, UnicodeDecodeError, ValueError, OSError) as e:
+        raise CorruptCheckpointError(
+            f"Cannot load {path}: the file is truncated or corrupt ({type(e).__name__}: {_first_line(e)})"
+        ) from e
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
+
+
+def _import_safetensors() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise CheckpointError(
+            "Reading/writing .safetensors files needs the optional package "
+            "'safetensors' (pip install safetensors)"
+        ) from e
+    return safetensors.torch
+
+
+def _load_safetensors(path: str, map_location: Any) -> dict[str, torch.Tensor]:
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:2] == b"PK" or head[:1] == b"\x80":
+        raise NotSafetensorsError(
+            f"{path} is named .safetensors but holds a {'zip (torch.save)' if head[:2] == b'PK' else 'pickle'} "
+            f"file; it was not unpickled. Rename it to .pt to load it with weights_only=True."
+        )
+    if len(head) < 9 or head[8:9] != b"{":
+        raise NotSafetensorsError(f"{path} is not a valid safetensors file (bad header)")
+    st = _import_safetensors()
+    device = str(map_location) if isinstance(map_location, (str, torch.device)) else "cpu"
+    try:
+        return st.load_file(path, device=device)
+    except Exception as e:  # safetensors raises its own SafetensorsError for bad files
+        raise CorruptCheckpointError(
+            f"Cannot load {path}: corrupt safetensors file ({_first_line(e)})"
+        ) from e
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _read_manifest(ckpt: Checkpoint) -> dict:
+    if not os.path.exists(ckpt.manifest_path):
+        raise CorruptCheckpointError(
+            f"Checkpoint {ckpt.name} is incomplete: manifest {ckpt.manifest_path} missing"
+        )
+    try:
+        manifest = _read_json(ckpt.manifest_path)
+        manifest["files"]["model"]["sha256"]  # noqa: B018 - shape check
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"Manifest {ckpt.manifest_path} is unreadable ({e!r})") from e
+    if manifest.get("epoch") != ckpt.epoch or manifest.get("kind") != ckpt.kind:
+        raise CorruptCheckpointError(
+            f"Manifest {ckpt.manifest_path} describes epoch {manifest.get('epoch')} "
+            f"({manifest.get('kind')}), not {ckpt.name}"
+        )
+    return manifest
+
+
+def _check_file(path: str, entry: dict) -> None:
+    if not os.path.isfile(path):
+        raise CorruptCheckpointError(f"Checkpoint file missing: {path}")
+    size = os.path.getsize(path)
+    if size != entry["size"]:
+        what = "truncated" if size < entry["size"] else "longer than written"
+        raise CorruptCheckpointError(f"{path} is {what}: {size} bytes, manifest says {entry['size']}")
+    digest = _sha256_of(path)
+    if digest != entry["sha256"]:
+        raise CorruptCheckpointError(
+            f"{path} is corrupt: sha256 {digest[:12]}… does not match the manifest ({entry['sha256'][:12]}…)"
+        )
+
+
+def _sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _verify(ckpt: Checkpoint, *, train_state: bool = True) -> dict:
+    manifest = _read_manifest(ckpt)
+    _check_file(ckpt.path, manifest["files"]["model"])
+    if train_state and manifest["files"].get("train_state") is not None:
+        _check_file(ckpt.opt_path, manifest["files"]["train_state"])
+    return manifest
+
+
+def verify(ckpt: Checkpoint) -> None:
+    """Check the manifest and both files (presence, size, sha256); raises :class:`CorruptCheckpointError`."""
+    _verify(ckpt)
+
+
+def latest(prefix: str, *, verify: bool = True) -> Checkpoint | None:
+    """The newest complete (and, by default, verified) checkpoint; newer broken ones are warned about."""
+    for ckpt in reversed(list_checkpoints(prefix)):
+        try:
+            if not ckpt.complete:
+                raise CorruptCheckpointError("incomplete: no manifest (interrupted save or delete)")
+            if verify:
+                _verify(ckpt)
+        except CorruptCheckpointError as e:
+            logger.warning("Skipping checkpoint %s: %s; falling back to an older one", ckpt.name, e)
+            continue
+        return ckpt
+    return None
+
+
+def load_checkpoint(ckpt: Checkpoint, *, load_train_state: bool = True) -> tuple[dict, dict | None]:
+    """Verify, then load (model file dict, training state or None)."""
+    manifest = _verify(ckpt, train_state=load_train_state)
+    model_file = load(ckpt.path)
+    if not isinstance(model_file, dict) or "model" not in model_file:
+        raise CorruptCheckpointError(f"{ckpt.path} has no 'model' entry")
+    train_state = None
+    if load_train_state and manifest["files"].get("train_state") is not None:
+        train_state = load(ckpt.opt_path)
+    return model_file, train_state
+
+
+# ----------------------------------------------------------------------------------------------
+# deleting and cleanup
+
+
+def delete(ckpt: Checkpoint, *, dry_run: bool = False) -> None:
+    """Remove a checkpoint: the manifest first (so it stops counting), then its files."""
+    if dry_run:
+        logger.info("Would delete checkpoint %s (%d bytes)", ckpt.name, ckpt.size)
+        return
+    size = ckpt.size
+    directory = os.path.dirname(os.path.abspath(ckpt.path))
+    for p in (ckpt.manifest_path, ckpt.path, ckpt.opt_path):
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+        if p == ckpt.manifest_path:
+            fileio.fsync_dir(directory)
+    logger.info("Deleted checkpoint %s (%d bytes)", ckpt.name, size)
