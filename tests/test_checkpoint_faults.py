@@ -1,0 +1,249 @@
+"""Checkpoints under faults: failed and killed writes, damaged files, malicious pickles."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from helpers.faults import (
+    FailAfterNBytes,
+    InjectedCrash,
+    crash_writes_after,
+    fail_writes_after,
+    flip_byte,
+    truncate_file,
+    write_malicious_checkpoint,
+)
+
+import kit
+import kit.checkpoints as ck
+from kit.fileio import TEMP_MARK
+
+
+def make_state(seed: int, width: int = 64) -> tuple[dict, dict]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 4))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, width)).sum().backward()
+    opt.step()
+    return model.state_dict(), {
+        "optimizer": opt.state_dict(),
+        "progress": {"epoch": seed, "data_pos": seed * 10},
+    }
+
+
+def save(prefix, epoch, **kw):
+    model_state, train_state = make_state(epoch)
+    return ck.save(
+        str(prefix),
+        epoch=epoch,
+        model_state=model_state,
+        train_state=train_state,
+        global_train_step=epoch * 10,
+        **kw,
+    )
+
+
+def digests(ckpt) -> dict:
+    return {
+        p: hashlib.sha256(open(p, "rb").read()).hexdigest()
+        for p in (ckpt.path, ckpt.opt_path, ckpt.manifest_path)
+    }
+
+
+def temp_files(directory) -> list[str]:
+    return [n for n in os.listdir(directory) if TEMP_MARK in n]
+
+
+def test_fail_after_n_bytes_writer_fails(tmp_path):
+    with open(tmp_path / "f", "wb") as f:
+        w = FailAfterNBytes(f, 5)
+        w.write(b"abc")
+        with pytest.raises(OSError):
+            w.write(b"defg")
+    assert (tmp_path / "f").read_bytes() == b"abcde"
+
+
+@pytest.mark.parametrize("which", ["model.003.pt", "model.003.opt.pt", "model.003.manifest.json"])
+def test_crash_while_saving_keeps_previous(tmp_model_prefix, monkeypatch, which):
+    save(tmp_model_prefix, 1)
+    e2 = save(tmp_model_prefix, 2)
+    before = digests(e2)
+    left = crash_writes_after(monkeypatch, 100, match=lambda p: os.path.basename(p) == which)
+    with pytest.raises(InjectedCrash):
+        save(tmp_model_prefix, 3)
+    monkeypatch.undo()
+    assert left and all(os.path.exists(t) for t in left)  # the "dead process" left its temp file
+    assert digests(e2) == before
+    assert not [c for c in ck.list_checkpoints(str(tmp_model_prefix)) if c.epoch == 3 and c.complete]
+    assert not os.path.exists(str(tmp_model_prefix) + ".003.manifest.json")
+    latest = ck.latest(str(tmp_model_prefix))
+    assert latest.epoch == 2
+    model_file, train_state = ck.load_checkpoint(latest)
+    assert torch.equal(model_file["model"]["0.weight"], make_state(2)[0]["0.weight"])
+    # the next save removes the stale temp file
+    save(tmp_model_prefix, 3)
+    assert temp_files(tmp_model_prefix.parent) == []
+    assert ck.latest(str(tmp_model_prefix)).epoch == 3
+
+
+def test_write_error_cleans_up_and_raises(tmp_model_prefix, monkeypatch):
+    e1 = save(tmp_model_prefix, 1)
+    before = digests(e1)
+    failed = fail_writes_after(monkeypatch, 1000, match=lambda p: ".002." in p)
+    with pytest.raises(OSError, match="No space"):
+        save(tmp_model_prefix, 2)
+    assert failed
+    assert temp_files(tmp_model_prefix.parent) == []
+    assert digests(e1) == before and ck.latest(str(tmp_model_prefix)).epoch == 1
+
+
+def _damage_cases():
+    return {
+        "truncated model": lambda c: truncate_file(c.path, 0.5),
+        "truncated opt": lambda c: truncate_file(c.opt_path, 0.9),
+        "flipped byte model": lambda c: flip_byte(c.path),
+        "flipped byte opt": lambda c: flip_byte(c.opt_path, -100),
+        "missing opt": lambda c: os.unlink(c.opt_path),
+        "missing model": lambda c: os.unlink(c.path),
+        "missing manifest": lambda c: os.unlink(c.manifest_path),
+        "bad manifest": lambda c: open(c.manifest_path, "w").write("{not json"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_damage_cases()))
+def test_damaged_checkpoint_detected_and_skipped(tmp_model_prefix, case, caplog):
+    save(tmp_model_prefix, 1)
+    e2 = save(tmp_model_prefix, 2)
+    _damage_cases()[case](e2)
+    e2 = next(c for c in ck.list_checkpoints(str(tmp_model_prefix)) if c.epoch == 2)
+    with pytest.raises(kit.CorruptCheckpointError) as info:
+        ck.verify(e2)
+    assert "model.002" in str(info.value)
+    if "truncated" in case:
+        assert "truncated" in str(info.value)
+    with pytest.raises(kit.CorruptCheckpointError):
+        ck.load_checkpoint(e2)
+    with caplog.at_level(logging.WARNING, logger="kit"):
+        assert ck.latest(str(tmp_model_prefix)).epoch == 1
+    assert any("model.002" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert ck.latest(str(tmp_model_prefix), verify=False).epoch == (
+        1 if "manifest" in case and "bad" not in case else 2
+    )
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda p: truncate_file(p, 0.5),
+        lambda p: truncate_file(p, 10),
+        lambda p: flip_byte(p, 100),
+        lambda p: open(p, "wb").close(),
+    ],
+)
+def test_direct_load_of_damaged_file_is_corrupt_error(tmp_path, damage):
+    path = str(tmp_path / "x.pt")
+    torch.save({"model": {"w": torch.arange(1000.0)}, "tag": "hello"}, path)
+    damage(path)
+    with pytest.raises(kit.CorruptCheckpointError, match="x.pt"):
+        ck.load(path)
+
+
+def test_load_missing_file(tmp_path):
+    with pytest.raises(kit.CorruptCheckpointError, match="not found"):
+        ck.load(str(tmp_path / "nope.pt"))
+
+
+@pytest.mark.parametrize("payload", ["os.system", "touch"])
+def test_malicious_pickle_refused_everywhere(tmp_path, payload):
+    marker = tmp_path / "pwned"
+    path = write_malicious_checkpoint(tmp_path / "evil.pt", marker, payload)
+    expected_global = "system" if payload == "os.system" else "touch_marker"
+    with pytest.raises(kit.UnsafeCheckpointError, match=expected_global):
+        ck.load(path)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(kit.UnsafeCheckpointError, match=expected_global):
+        ck.preload_from_files(model, {"x": {"filename": path, "init_for_train": True}})
+    # a "checkpoint" whose model file was replaced: the manifest matches, the refusal still holds
+    prefix = str(tmp_path / "model")
+    c = ck.save(prefix, epoch=1, model_state={"w": torch.zeros(2)}, train_state={"a": 1}, global_train_step=1)
+    write_malicious_checkpoint(c.opt_path, marker, payload)
+    import json
+
+    manifest = json.load(open(c.manifest_path))
+    manifest["files"]["train_state"].update(
+        size=os.path.getsize(c.opt_path), sha256=hashlib.sha256(open(c.opt_path, "rb").read()).hexdigest()
+    )
+    json.dump(manifest, open(c.manifest_path, "w"))
+    ck.verify(c)
+    with pytest.raises(kit.UnsafeCheckpointError):
+        ck.load_checkpoint(c)
+    assert not marker.exists()
+
+
+def test_unsafe_trust_loads_trusted_file(tmp_path, caplog):
+    marker = tmp_path / "harmless"
+    path = write_malicious_checkpoint(tmp_path / "trusted.pt", marker, payload="touch")
+    with caplog.at_level(logging.WARNING, logger="kit"):
+        obj = ck.load(path, unsafe_trust=True)
+    assert marker.exists() and obj["epoch"] == 1
+    assert "unsafe_trust" in caplog.text
+
+
+def test_torch_load_only_in_one_place():
+    import ast
+    import pathlib
+
+    calls = []
+    for path in pathlib.Path(ck.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+                calls.append((path.name, ast.unparse(node)))
+    assert len(calls) == 1, calls
+    assert "weights_only=not unsafe_trust" in calls[0][1]
+
+
+_SLOW_SAVE = textwrap.dedent("""
+    import sys, torch, kit.checkpoints as ck
+    torch.manual_seed(2)
+    model = torch.nn.Linear(256, 256)
+    print("saving", flush=True)
+    ck.save(sys.argv[1], epoch=2, model_state=model.state_dict(), train_state={"x": torch.ones(3)},
+            global_train_step=20)
+    print("saved", flush=True)
+""")
+
+
+def test_kill_9_during_save(tmp_model_prefix):
+    e1 = save(tmp_model_prefix, 1)
+    before = digests(e1)
+    env = {**os.environ, "KIT_TEST_SLOW_WRITE_SECS": "30"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_SAVE, str(tmp_model_prefix)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "saving"
+        deadline = time.monotonic() + 20
+        while not temp_files(tmp_model_prefix.parent):  # inside the (slowed) write of the model file
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert proc.returncode == -signal.SIGKILL
+    assert temp_files(tmp_model_prefix.parent)  # the killed writer left its temp file ...
+    latest = ck.latest(str(tmp_model_prefix))
+    assert latest.epoch == 1 and digests(latest) == before
+    ck.verify(latest)
+    assert not [c for c in ck.list_checkpoints(str(tmp_model_prefix)) if c.epoch == 2 and c.complete]
+    save(tmp_model_prefix, 2)  # ... which the next save removes
+    assert temp_files(tmp_model_prefix.parent) == []
