@@ -17,7 +17,9 @@ import gc
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +52,20 @@ class Paused:
     __repr__ = __str__
 
 
+_PAUSED = object()
+
+
+def _advance(gen: Generator, deadline: float | None) -> tuple[bool, Any]:
+    """Drive ``gen`` until it returns (→ (True, value)) or ``deadline`` passes (→ (False, None))."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return True, stop.value
+        if deadline is not None and time.monotonic() >= deadline:
+            return False, None
+
+
 class Session:
     """Drive the engine step by step from a notebook.
 
@@ -76,6 +92,9 @@ class Session:
         self._stashed_state: dict | None = None
         self._mid_step: str | None = None
         self._closed = False
+        self._thread: threading.Thread | None = None
+        self._background: dict[str, Any] = {}
+        self.yield_every_secs = 0.05  # async variants yield to the kernel at most this often
         self.status = "ready"
 
     @classmethod
@@ -156,68 +175,81 @@ class Session:
             self._history.device = self.engine.device
 
     # ---- training ---------------------------------------------------------------------
+    #
+    # Every train_* call is a generator of "units" (one train step, or one epoch end)
+    # driven to its goal: all at once (train_*), in time slices with an await between
+    # them (train_*_async), or in a thread (train_in_background). The loop is the same.
 
     def train_step(self) -> StepResult | Paused | None:
         """One step of the current epoch (rolling into the next epoch when this one is done)."""
-        result = self.train_steps(1)
-        return result
+        return self._run(lambda: self._units("steps", 1))
 
     def train_steps(self, n: int) -> StepResult | Paused | None:
         """``n`` more steps, continuing where the last call stopped; returns the last StepResult."""
-        if n < 1:
-            raise ValueError(f"train_steps(n): n must be >= 1, got {n}")
+        return self._run(lambda: self._units("steps", self._check_n(n)))
 
-        def run() -> StepResult | None:
-            last = None
-            for _ in range(n):
-                result = self._next_step()
-                if result is None:
-                    break
-                last = result
-                if self._guard.requested:
-                    break
-            return last
-
-        return self._run_training(run)
-
-    def _next_step(self) -> StepResult | None:
-        engine = self.engine
-        while True:
-            if not engine.progress.epoch_running and engine.progress.epoch > engine.final_epoch:
-                self.status = "finished"
-                return None
-            result = engine.train_step()
-            if result is not None:
-                return result
-            engine.finish_epoch()
-            if self._guard.requested:
-                return None
-
-    def train_epoch(self, *, live: bool | None = None) -> dict[str, Any] | Paused | None:
+    def train_epoch(self, *, live: bool | None = None) -> dict[str, Any] | Paused:
         """Finish the current epoch (or train the next one): steps, scores, eval, checkpoint, LR."""
+        return self._run(lambda: self._units("epoch"), live=live)
 
-        def run() -> dict[str, Any] | None:
-            if not self.engine.progress.epoch_running and self.engine.progress.epoch > self.engine.final_epoch:
-                raise SessionStateError(
-                    f"all {self.engine.final_epoch} epochs are trained; call session.extend(num_epochs) to train more")
-            return self.engine.train_epoch(should_stop=lambda: self._guard.requested)
-
-        return self._run_training(run, live=live)
-
-    def train(self, num_epochs: int | None = None, *, live: bool | None = None) -> dict[str, Any] | Paused | None:
+    def train(self, num_epochs: int | None = None, *, live: bool | None = None) -> dict[str, Any] | Paused:
         """Train up to ``num_epochs`` (default: the config's); returns the last epoch's scores."""
         if num_epochs is not None:
             self.extend(num_epochs)
+        return self._run(lambda: self._units("train"), live=live, allow_finished=True)
 
-        def run() -> dict[str, Any] | None:
-            finished = self.engine.train(should_stop=lambda: self._guard.requested)
-            if not finished:
-                return None
-            self.status = "finished"
-            last = self.engine.scores.epochs[-1] if self.engine.scores.epochs else None
-            return self.engine.scores.row(last) if last is not None else {}
+    async def train_steps_async(self, n: int) -> StepResult | Paused | None:
+        """Like :meth:`train_steps`, yielding to the event loop between steps (Pause button works)."""
+        return await self._run_async(lambda: self._units("steps", self._check_n(n)))
 
-        return self._run_training(run, live=live)
+    async def train_epoch_async(self, *, live: bool | None = None) -> dict[str, Any] | Paused:
+        """Like :meth:`train_epoch`; ``await`` it in a notebook cell so widgets stay responsive."""
+        return await self._run_async(lambda: self._units("epoch"), live=live)
+
+    async def train_async(self, num_epochs: int | None = None, *, live: bool | None = None) -> Any:
+        """Like :meth:`train`; ``await session.train_async()`` keeps the kernel responsive."""
+        if num_epochs is not None:
+            self.extend(num_epochs)
+        return await self._run_async(lambda: self._units("train"), live=live, allow_finished=True)
+
+    def train_in_background(self, goal: str = "train", n: int = 1, *, live: bool | None = None) -> threading.Thread:
+        """Train in a thread (goal ``"train"``, ``"epoch"`` or ``"steps"``); the cell returns at once.
+
+        ``session.pause()`` stops at the next step boundary, ``session.wait()`` joins and
+        returns the result (or raises the error). Do not step other sessions meanwhile:
+        global RNG states are process-wide.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            raise SessionStateError("this session is already training in the background; call wait() or pause()")
+        units = (lambda: self._units("steps", self._check_n(n))) if goal == "steps" else (lambda: self._units(goal))
+        self._prepare_run(live, allow_finished=goal == "train")
+        self._background = {}
+
+        def target() -> None:
+            try:
+                self._background["result"] = self._drive_all(units)
+            except BaseException as exc:
+                self._background["error"] = exc
+
+        self._thread = threading.Thread(target=target, name="kit-session-training", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for :meth:`train_in_background`; returns its result or raises its error."""
+        if self._thread is None:
+            return None
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return None
+        self._thread, outcome = None, self._background
+        if "error" in outcome:
+            raise outcome["error"]
+        return self._finish_run(outcome.get("result"))
+
+    @property
+    def is_training(self) -> bool:
+        return self.status == "running"
 
     def extend(self, num_epochs: int) -> None:
         """Raise the final epoch without resetting LR control or history."""
@@ -225,28 +257,92 @@ class Session:
             raise ValueError(f"extend(num_epochs={num_epochs}): must be >= the current num_epochs "
                              f"{self.config.int('num_epochs')}")
         self.config.update(num_epochs=num_epochs)
+        if self.status == "finished":
+            self.status = "ready"
 
-    def _run_training(self, run: Callable[[], Any], *, live: bool | None = None) -> Any:
-        """Common frame of every train_* call: preconditions, world, interrupt guard, status."""
+    @staticmethod
+    def _check_n(n: int) -> int:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"train_steps(n): n must be an int >= 1, got {n!r}")
+        return n
+
+    def _units(self, goal: str, n: int = 0) -> Generator[None, None, Any]:
+        """Run train steps / epoch ends towards ``goal``; yields between units."""
+        engine, steps, last = self.engine, 0, None
+        while True:
+            p = engine.progress
+            if not p.epoch_running and p.epoch > engine.final_epoch:
+                self.status = "finished"
+                return last if goal == "steps" else self._last_row()
+            result = engine.train_step()
+            if result is None:
+                row = engine.finish_epoch()
+                if goal == "epoch":
+                    return row
+            else:
+                steps, last = steps + 1, result
+                if goal == "steps" and steps >= n:
+                    return last
+            if self._guard.requested:
+                return _PAUSED
+            yield
+
+    def _last_row(self) -> dict[str, Any]:
+        epochs = self.engine.scores.epochs
+        return self.engine.epoch_scores(epochs[-1]) if epochs else {}
+
+    def _run(self, units: Callable[[], Generator], *, live: bool | None = None, allow_finished: bool = False) -> Any:
+        self._prepare_run(live, allow_finished)
+        with self._guard.held():
+            return self._finish_run(self._drive_all(units))
+
+    async def _run_async(self, units: Callable[[], Generator], *, live: bool | None = None,
+                         allow_finished: bool = False) -> Any:
+        import asyncio
+
+        self._prepare_run(live, allow_finished)
+        with self._guard.held():
+            gen = units()
+            while True:
+                deadline = time.monotonic() + self.yield_every_secs
+                with self._world(), self._errors_tracked():
+                    done, result = _advance(gen, deadline)
+                if done:
+                    return self._finish_run(result)
+                await asyncio.sleep(0)  # let the kernel handle widget messages (the Pause button)
+
+    def _drive_all(self, units: Callable[[], Generator]) -> Any:
+        with self._world(), self._errors_tracked():
+            return _advance(units(), None)[1]
+
+    def _prepare_run(self, live: bool | None, allow_finished: bool) -> None:
+        """Preconditions of every train_* call, and the dashboard when asked."""
         self._check_can_train()
         self._training_parts()
+        p = self.engine.progress
+        if not allow_finished and not p.epoch_running and p.epoch > self.engine.final_epoch:
+            raise SessionStateError(f"all {self.engine.final_epoch} epochs are trained; "
+                                    "call session.extend(num_epochs) or session.train(num_epochs) to train more")
         if live if live is not None else self.live:
             self._show_dashboard()
         self._guard.clear()
         self.status = "running"
-        with self._world(), self._guard.held():
-            try:
-                self._mid_step = "running"
-                result = run()
-                self._mid_step = None
-            except KeyboardInterrupt:
-                self.status = "error: interrupted mid-step"
-                raise
-            except BaseException as exc:
-                self._mid_step = None
-                self.status = f"error: {type(exc).__name__}: {exc}".split("\n")[0]
-                raise
-        if self._guard.requested:
+
+    @contextlib.contextmanager
+    def _errors_tracked(self) -> Iterator[None]:
+        """A forced interrupt mid-step marks the session inconsistent; errors set the status."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            self._mid_step = self.engine.progress.where()
+            self.status = "error: interrupted mid-step"
+            raise
+        except BaseException as exc:
+            self.status = f"error: {type(exc).__name__}: {exc}".split("\n")[0]
+            raise
+
+    def _finish_run(self, result: Any) -> Any:
+        if result is _PAUSED or self._guard.requested:
             return self._paused()
         if self.status == "running":
             self.status = "ready"
@@ -274,7 +370,7 @@ class Session:
         if self._mid_step:
             raise SessionStateError(
                 f"the last train call was interrupted mid-step (a second interrupt within a second) at "
-                f"{self.engine.progress.where()}: the model or optimizer may be half-updated; call "
+                f"{self._mid_step}: the model or optimizer may be half-updated; call "
                 "session.checkpoints.restore(...) or session.reload_latest() to continue from a consistent state")
 
     # ---- checkpoints --------------------------------------------------------------------

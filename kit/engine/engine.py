@@ -164,6 +164,8 @@ class Engine:
             p.steps_exhausted = True
             return None
         t0 = time.perf_counter()
+        if self.events.has("step_begin"):
+            self.events.emit("step_begin", epoch=p.epoch, step=p.step_in_epoch, batch=batch)
         batch_dev = batch.to(self.device, non_blocking=True)
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
@@ -341,10 +343,14 @@ class Engine:
         if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
             self.save_checkpoint(kind="epoch", epoch=epoch)
             resume.cleanup(self)
-        row = self.scores.row(epoch)
+        row = self.epoch_scores(epoch)
         logger.info("finished epoch %d: %s", epoch, _format_scores(self.scores.scores(epoch)))
         self.events.emit("epoch_end", epoch=epoch, scores=row)
         return row
+
+    def epoch_scores(self, epoch: int) -> dict[str, Any]:
+        """``{"learning_rate": .., "train_loss_ce": .., "dev_loss_ce": .., ...}`` of one epoch."""
+        return {"learning_rate": self.scores.learning_rate(epoch), **self.scores.scores(epoch)}
 
     def _epoch_meta(self) -> dict[str, Any]:
         import platform
