@@ -139,6 +139,19 @@ def test_save_without_train_state(tmp_model_prefix):
     assert ck.load_checkpoint(c)[1] is None
 
 
+def test_extra_meta_must_be_json(tmp_model_prefix):
+    with pytest.raises(kit.CheckpointError, match="extra_meta"):
+        ck.save(
+            str(tmp_model_prefix),
+            epoch=1,
+            model_state={},
+            train_state=None,
+            global_train_step=1,
+            extra_meta={"t": torch.zeros(1)},
+        )
+    assert ck.list_checkpoints(str(tmp_model_prefix)) == []
+
+
 def test_checkpoint_helpers(tmp_model_prefix):
     c = save_epoch(tmp_model_prefix, 1)
     assert c.exists and c.name == "model.001"

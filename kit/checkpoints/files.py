@@ -206,6 +206,12 @@ def save(
     """
     import kit
 
+    if effective_learning_rate is not None:
+        effective_learning_rate = float(effective_learning_rate)
+    try:  # fail before writing hundreds of MB, not when writing the manifest
+        extra_meta = json.loads(json.dumps(dict(extra_meta or {})))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"save: extra_meta must be JSON-serializable ({e})") from e
     path, opt_path, manifest_path = checkpoint_paths(
         prefix, epoch, global_train_step=global_train_step, kind=kind
     )
@@ -249,7 +255,7 @@ def save(
             "effective_learning_rate": effective_learning_rate,
             "time": now,
             "time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
-            "extra": dict(extra_meta or {}),
+            "extra": extra_meta,
         },
     )
     logger.info("Saved checkpoint %s", path)
