@@ -137,10 +137,14 @@ class ExternData(Mapping[str, DataSpec]):
     def __repr__(self) -> str:
         return "ExternData(" + ", ".join(f"{k}: {s.describe()}" for k, s in self.specs.items()) + ")"
 
-    def check_seq(self, seq: Mapping[str, np.ndarray], tag: str) -> dict[str, np.ndarray]:
+    def check_seq(
+        self, seq: Mapping[str, np.ndarray], tag: str, *, check_sparse: bool = True
+    ) -> dict[str, np.ndarray]:
         """Validate one sequence; returns it with declared dtypes applied (same kind only).
 
         Raises DataError naming the key, what was expected and received, and the tag.
+        ``check_sparse=False`` leaves the label range to a check on the whole batch
+        (:func:`kit.data.collate.collate` does that, one reduction per batch).
         """
         out = dict(seq)
         for key, spec in self.specs.items():
@@ -149,33 +153,47 @@ class ExternData(Mapping[str, DataSpec]):
                     f"data key {key!r} is missing in sequence {tag!r}: expected the keys of extern_data "
                     f"{list(self.specs)}, received {sorted(seq)} ({key!r} is declared as {spec.describe()})"
                 )
-            out[key] = self._check_array(spec, np.asarray(seq[key]), tag)
+            out[key] = check_array(spec, np.asarray(seq[key]), tag, check_sparse=check_sparse)
         return out
 
-    @staticmethod
-    def _check_array(spec: DataSpec, a: np.ndarray, tag: str) -> np.ndarray:
-        def fail(what: str, expected: Any, received: Any) -> DataError:
-            return DataError(
-                f"data key {spec.key!r} in sequence {tag!r}: {what}: expected {expected}, received {received} "
-                f"(extern_data declares {spec.describe()}; array shape {a.shape}, dtype {a.dtype})"
-            )
 
-        if a.ndim != len(spec.shape):
-            raise fail("wrong rank", f"{len(spec.shape)} axes {spec.describe()}", f"{a.ndim} axes")
-        for axis, (want, got) in enumerate(zip(spec.shape, a.shape)):
-            if want is not None and want != got:
-                raise fail(f"wrong size of axis {axis}", want, got)
-        kind_ok = {"f": "f", "i": "iu", "u": "iu", "b": "b", "c": "c"}.get(spec.dtype.kind, spec.dtype.kind)
-        if a.dtype.kind not in kind_ok:
-            raise fail(
-                "wrong dtype kind", f"{spec.dtype} ({'float' if spec.dtype.kind == 'f' else 'int'})", a.dtype
+def check_array(spec: DataSpec, a: np.ndarray, tag: str, *, check_sparse: bool = True) -> np.ndarray:
+    """One array against its spec (see :meth:`ExternData.check_seq`)."""
+    static = spec.shape[1:] if spec.has_time else spec.shape
+    fast = (
+        a.dtype == spec.dtype
+        and a.ndim == len(spec.shape)
+        and (a.shape[1:] if spec.has_time else a.shape) == static
+    )
+    if not fast:
+        _check_layout(spec, a, tag)
+    if check_sparse and spec.sparse_dim is not None and a.size:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi >= spec.sparse_dim:
+            bad = lo if lo < 0 else hi
+            raise _fail(
+                spec, a, tag, "sparse label out of range", f"labels in [0, {spec.sparse_dim})", f"label {bad}"
             )
-        if spec.sparse_dim is not None and a.size:
-            lo, hi = int(a.min()), int(a.max())
-            if lo < 0 or hi >= spec.sparse_dim:
-                bad = lo if lo < 0 else hi
-                raise fail("sparse label out of range", f"labels in [0, {spec.sparse_dim})", f"label {bad}")
-        return a if a.dtype == spec.dtype else a.astype(spec.dtype)
+    return a if a.dtype == spec.dtype else a.astype(spec.dtype)
+
+
+def _fail(spec: DataSpec, a: np.ndarray, tag: str, what: str, expected: Any, received: Any) -> DataError:
+    return DataError(
+        f"data key {spec.key!r} in sequence {tag!r}: {what}: expected {expected}, received {received} "
+        f"(extern_data declares {spec.describe()}; array shape {a.shape}, dtype {a.dtype})"
+    )
+
+
+def _check_layout(spec: DataSpec, a: np.ndarray, tag: str) -> None:
+    if a.ndim != len(spec.shape):
+        raise _fail(spec, a, tag, "wrong rank", f"{len(spec.shape)} axes {spec.describe()}", f"{a.ndim} axes")
+    for axis, (want, got) in enumerate(zip(spec.shape, a.shape)):
+        if want is not None and want != got:
+            raise _fail(spec, a, tag, f"wrong size of axis {axis}", want, got)
+    kind_ok = {"f": "f", "i": "iu", "u": "iu", "b": "b", "c": "c"}.get(spec.dtype.kind, spec.dtype.kind)
+    if a.dtype.kind not in kind_ok:
+        kind = "float" if spec.dtype.kind == "f" else "int"
+        raise _fail(spec, a, tag, "wrong dtype kind", f"{spec.dtype} ({kind})", a.dtype)
 
 
 def make_extern_data(spec: Any) -> ExternData | None:
