@@ -84,8 +84,14 @@ class Session:
         self._history = History()
         self.events.on("step_end", self._history.on_step_end)
         self.live = live
-        self.debug_hook: Callable[..., Any] | None = self.config.typed_value("debug_hook")
+        from kit import debug
+
+        # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
+        self.debug_hook: Callable[..., Any] | None = self.config.typed_value("debug_hook") or debug.capture
         self.last_failure: Any = None
+        self.engine.debugger = debug.Debugger(self.engine, self, lambda: self.debug_hook)
+        self._break_step: int | None = None
+        self._break_when: Callable[[StepResult], bool] | None = None
         self._guard = InterruptGuard()
         self._rng: tuple | None = None  # this session's RNG world, swapped in around its work
         self._inspecting: str | None = None  # set by checkpoints.load(): weights are not the training state
@@ -281,11 +287,54 @@ class Session:
                     return row
             else:
                 steps, last = steps + 1, result
+                if self._break_matches(result):
+                    return self._break_here(result)
                 if goal == "steps" and steps >= n:
                     return last
             if self._guard.requested:
                 return _PAUSED
             yield
+
+    # ---- debugging ----------------------------------------------------------------------
+
+    def break_on(self, step: int | None = None, *, when: Callable[[StepResult], bool] | None = None) -> None:
+        """Stop a train_* call after global step ``step`` (or after any step where ``when(result)``).
+
+        The call returns the ``DebugContext`` (also passed to ``debug_hook`` as event
+        ``"step"``); the next train_* call continues the same epoch. ``break_on()`` clears.
+        """
+        self._break_step, self._break_when = step, when
+
+    def _break_matches(self, result: StepResult) -> bool:
+        if self._break_step is not None and result.global_train_step == self._break_step:
+            self._break_step = None
+            return True
+        return self._break_when is not None and bool(self._break_when(result))
+
+    def _break_here(self, result: StepResult) -> Any:
+        ctx = self.engine.debugger.context("step", batch=self.engine.last_batch, step_losses=result.step_losses,
+                                           rng=None)
+        if self.debug_hook is not None:
+            self.debug_hook(ctx)
+        self.last_failure = ctx
+        self.status = "paused"
+        return ctx
+
+    def replay(self, ctx: Any = None, *, anomaly: bool = True) -> Any:
+        """Re-run exactly the captured step and report the first op/module producing NaN/Inf."""
+        from kit import debug
+
+        ctx = ctx if ctx is not None else self.last_failure
+        if ctx is None:
+            raise SessionStateError("nothing to replay: session.last_failure is empty (no failure captured)")
+        with self._world():
+            return debug.replay(self.engine, ctx, anomaly=anomaly)
+
+    def release(self) -> None:
+        """Free the batch and device tensors held by the last captured failure."""
+        if self.last_failure is not None:
+            self.last_failure.release()
+        self.last_failure = None
 
     def _last_row(self) -> dict[str, Any]:
         epochs = self.engine.scores.epochs
@@ -510,7 +559,7 @@ class Session:
         if self._closed:
             return
         self.engine.close()
-        self.last_failure = None
+        self.release()
         self._stashed_state = None
         self._drop_stored_traceback()
         self._closed = True

@@ -84,6 +84,10 @@ class Engine:
         self._epoch_lr = 0.0
         self._step_lr = 0.0
         self.last_checkpoint: Any = None
+        # a privileged subscriber (kit.debug.Debugger): called directly, so it may raise or stop
+        self.debugger: Any = None
+        self._step_rng: Any = None
+        self.last_batch: Any = None
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -167,12 +171,14 @@ class Engine:
         if self.events.has("step_begin"):
             self.events.emit("step_begin", epoch=p.epoch, step=p.step_in_epoch, batch=batch)
         batch_dev = batch.to(self.device, non_blocking=True)
+        self.last_batch = batch  # a reference only: debug contexts of "step" breaks read it
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
             self.updater.optimizer.zero_grad(set_to_none=True)
         lr = self._set_step_learning_rate(batch)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
+        self._step_rng = _torch_rng_state()  # for replaying this step when it fails (a few µs)
         self._run_user_step(self.config.typed_value("train_step"), ctx, batch_dev, stage="train")
         total = self._total_loss(ctx)
         # backward: scaled for float16; gradients of micro-batches are summed
@@ -238,6 +244,8 @@ class Engine:
             f"{', '.join(bad)}; the update was not applied (parameters and optimizer state are unchanged)",
             epoch=p.epoch, step=p.step_in_epoch, nonfinite=bad)
         self.events.emit("nonfinite", error=error, batch=batch)
+        if self.debugger is not None:
+            self.debugger.notify("nonfinite", error=error, batch=batch, step_losses=step_losses, rng=self._step_rng)
         if self.config.typed_value("nonfinite_policy") == "skip":
             p.consec_skipped_updates += 1
             p.skipped_updates_in_epoch += 1
@@ -264,6 +272,8 @@ class Engine:
         except Exception as exc:
             annotate_exception(exc, stage=stage, model=self.model, batch=batch)
             self.events.emit("exception", error=exc, stage=stage, batch=batch)
+            if self.debugger is not None:
+                self.debugger.notify("exception", error=exc, stage=stage, batch=batch, rng=self._step_rng)
             raise
 
     def _accum_grad_multiple_step(self, batch: Any) -> int:
@@ -319,6 +329,8 @@ class Engine:
         logger.info("start epoch %d, global train step %d, learning rate %g", p.epoch, p.global_train_step,
                     self._epoch_lr)
         self.events.emit("epoch_begin", epoch=p.epoch, learning_rate=self._epoch_lr)
+        if self.debugger is not None:
+            self.debugger.notify("before_train_loop", batch=None)
 
     def finish_epoch(self) -> dict[str, float]:
         """End the current epoch: train scores, eval, next LR, score file, checkpoint, cleanup."""
@@ -490,6 +502,11 @@ class Engine:
         self._eval_pipelines.clear()
         self.model = self.updater = self.grad_scaler = None
         self.is_set_up = False
+
+
+def _torch_rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
 
 
 def _finite(v: float) -> bool:

@@ -152,6 +152,8 @@ def _run(engine: Any, forward_step: Any, batch: Batch) -> dict[str, Any]:
     except Exception as exc:
         annotate_exception(exc, stage="forward", model=engine.model, batch=batch)
         engine.events.emit("exception", error=exc, stage="forward", batch=batch)
+        if engine.debugger is not None:
+            engine.debugger.notify("exception", error=exc, stage="forward", batch=batch, rng=None)
         raise
     return dict(ctx.outputs)
 
