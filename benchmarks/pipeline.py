@@ -10,8 +10,10 @@ float32 features plus sparse int64 labels per frame, in memory (ArrayDataset).
    kit Pipeline with 0 and 2 workers (planning, extern_data validation and padding
    included) vs a plain ``torch.utils.data.DataLoader`` over the same data with the
    same batches (``batch_sampler`` = kit's plan) and a ``pad_sequence`` collate.
-2. Padding efficiency (real frames / padded frames) of the batches for the orderings
-   ``random``, ``laplace:.100`` and ``sorted``.
+2. Padding efficiency (real frames / padded frames) of the planned batches for the
+   orderings ``random``, ``laplace:.100``, ``laplace:.1000`` and ``sorted``, over batch
+   sizes: laplace only helps when a bin (``.S`` = S seqs) holds many batches; with
+   ~250 seqs per batch a bin of 100 is smaller than one batch.
 """
 
 from __future__ import annotations
@@ -85,16 +87,18 @@ def run_plain(loader: torch.utils.data.DataLoader) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def padding_efficiency(ds: ArrayDataset, ordering: str) -> float:
-    pipe = Pipeline(ds, batch_size=20000, max_seqs=256, seq_ordering=ordering)
+def padding_efficiency(ds: ArrayDataset, ordering: str, batch_size: int) -> tuple[float, float]:
+    """(real / padded frames, mean seqs per batch) of the planned batches."""
+    pipe = Pipeline(ds, batch_size=batch_size, max_seqs=256, seq_ordering=ordering)
     pipe.set_epoch(1)
     lens = ds.seq_lengths()["data"]
     real = padded = 0
-    for entries in pipe.plan():
+    plan = pipe.plan()
+    for entries in plan:
         t = lens[[i for i, _ in entries]]
         real += int(t.sum())
         padded += int(t.max()) * len(t)
-    return real / padded
+    return real / padded, len(ds) / len(plan)
 
 
 def main() -> None:
@@ -140,9 +144,15 @@ def main() -> None:
     for pipe in cache.values():
         pipe.close()
 
-    print("\npadding efficiency (real / padded frames), batch_size=20000, max_seqs=256:")
-    for ordering in ("random", "laplace:.100", "sorted"):
-        print(f"  {ordering:14s} {padding_efficiency(ds, ordering):.3f}")
+    print("\npadding efficiency (real / padded frames), max_seqs=256; seqs/batch in brackets:")
+    orderings = ("random", "laplace:.100", "laplace:.1000", "sorted")
+    print("  batch_size " + "".join(f"{o:>20s}" for o in orderings))
+    for batch_size in (1000, 2000, 5000, 20000):
+        cells = []
+        for ordering in orderings:
+            eff, per_batch = padding_efficiency(ds, ordering, batch_size)
+            cells.append(f"{eff:.3f} ({per_batch:5.1f})")
+        print(f"  {batch_size:10d} " + "".join(f"{c:>20s}" for c in cells))
     print(f"\ntotal {time.perf_counter() - t0:.0f}s")
 
 

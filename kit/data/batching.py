@@ -145,7 +145,13 @@ def plan_batches(
     """
     limits = per_key(batch_size, list(lens), "batch_size")
     max_seqs = sys.maxsize if max_seqs in (None, -1) else int(max_seqs)
-    cols = [(lens[k].tolist(), v) for k, v in limits.items()]
+    # keys sharing a limit fold into one column (max over them): exact, and one column for an int batch_size
+    by_limit: dict[int, list[str]] = {}
+    for k, v in limits.items():
+        by_limit.setdefault(v, []).append(k)
+    cols = [(np.max(np.stack([lens[k] for k in ks]), axis=0).tolist(), lim) for lim, ks in by_limit.items()]
+    if len(cols) == 1:
+        return _plan_one_limit(cols[0][0], cols[0][1], num_entries, max_seqs)
     ranges, start, maxima = [], 0, [0] * len(cols)
     for j in range(num_entries):
         n = j - start
@@ -157,6 +163,21 @@ def plan_batches(
                 ranges.append((start, j))
                 start, maxima = j, [0] * len(cols)
         maxima = [max(m, col[j]) for m, (col, _) in zip(maxima, cols)]
+    if num_entries > start:
+        ranges.append((start, num_entries))
+    return ranges
+
+
+def _plan_one_limit(col: list[int], limit: int, num_entries: int, max_seqs: int) -> list[tuple[int, int]]:
+    ranges, start, longest = [], 0, 0
+    for j in range(num_entries):
+        length = col[j]
+        n = j - start
+        if n and (n >= max_seqs or max(longest, length) * (n + 1) > limit):
+            ranges.append((start, j))
+            start, longest = j, 0
+        if length > longest:
+            longest = length
     if num_entries > start:
         ranges.append((start, num_entries))
     return ranges

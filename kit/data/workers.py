@@ -73,6 +73,10 @@ class WorkerPool:
                 "remove them"
             )
         opts.setdefault("persistent_workers", True)
+        # Without its own generator, a DataLoader draws the workers' base seed from the global torch
+        # RNG when its iterator is created: that shifts training randomness (dropout) by one draw at
+        # the first batch of a process, so a resumed run would diverge from an uninterrupted one.
+        opts.setdefault("generator", torch.Generator())
         self.sampler = _PlanSampler()
         try:
             self.dataloader = torch.utils.data.DataLoader(

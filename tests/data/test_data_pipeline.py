@@ -202,3 +202,16 @@ def test_from_config():
     ev = Pipeline.from_config(ds, cfg, train=False)
     assert ev.chunking is None and ev.seq_ordering is None
     assert Pipeline.from_config(ds, cfg, train=True, max_seqs=2).max_seqs == 2
+
+
+def test_per_key_budgets_each_hold():
+    ds = skewed_ds(seq_ordering="random")
+    budget = {"data": 400, "classes": 150}
+    out = collect(batches(ds, batch_size=budget))
+    assert sorted(i for b in out for i in b.seq_idx) == list(range(len(ds)))
+    for b in out:
+        if b.num_seqs > 1:
+            for key, limit in budget.items():
+                assert b[key].tensor.shape[1] * b.num_seqs <= limit
+    # the classes budget binds: more batches than with the data budget alone
+    assert len(out) > len(collect(batches(ds, batch_size={"data": 400})))
