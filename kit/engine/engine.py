@@ -437,8 +437,12 @@ class Engine:
         train_step = self.config.typed_value("train_step")
         if train_step is None:
             raise ConfigError("config key 'train_step' is not set: eval runs train_step with train_flag=False")
+        check_accepts_kwargs(train_step, "train_step")
         pipeline = Pipeline.from_config(dataset, self.config, train=False, extern_data=self.extern_data)
-        pipeline.set_epoch(max(1, self.progress.epoch - (0 if self.progress.epoch_running else 1)))
+        try:
+            pipeline.set_epoch(max(1, self.progress.epoch - (0 if self.progress.epoch_running else 1)))
+        except DataError as exc:  # say which eval dataset: the pipeline only knows the class
+            raise DataError(f"eval dataset {name!r}: {exc}") from None
         acc = EpochAccounting()
         for batch in pipeline:
             ctx = RunCtx("eval", train_flag=False, epoch=self.progress.epoch, step=acc.num_steps)

@@ -17,7 +17,7 @@ import torch
 
 from kit.data.batch import Batch
 from kit.engine import amp
-from kit.engine.user_code import annotate_exception
+from kit.engine.user_code import annotate_exception, check_accepts_kwargs
 from kit.errors import ConfigError
 from kit.rng import get_rng_state, set_rng_state
 from kit.run_ctx import RunCtx, run_ctx_scope
@@ -91,6 +91,7 @@ def run_forward(engine: Any, data: Any, callback: Any = None, *, seq_indices: li
     forward_step = engine.config.typed_value("forward_step")
     if forward_step is None:
         raise ConfigError("config key 'forward_step' is not set: forward needs forward_step(*, model, extern_data, **kwargs)")
+    check_accepts_kwargs(forward_step, "forward_step")
     result = callback if callback is not None else ForwardResult()
     rng, was_training = get_rng_state(), engine.model.training
     engine.model.eval()
@@ -170,7 +171,8 @@ def _deliver(batch: Batch, outputs: dict[str, Any], callback: Any) -> None:
     for i, tag in enumerate(batch.seq_tags):
         seq_out = {}
         for name, (array, lengths) in host.items():
-            seq_out[name] = array[i, : lengths[i]] if lengths is not None else array[i]
+            # array[i, ...]: a 0-d array (not a numpy scalar) for per-sequence values
+            seq_out[name] = array[i, : lengths[i]] if lengths is not None else array[i, ...]
         seq_idx = batch.seq_idx[i] if batch.seq_idx else i
         callback.process_seq(seq_tag=tag, outputs=seq_out, **({"seq_idx": seq_idx} if isinstance(callback, ForwardResult) else {}))
 
