@@ -7,6 +7,7 @@ until ``restore`` or ``reload_latest``); ``restore`` rewinds the whole training 
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -17,6 +18,14 @@ from kit.errors import CheckpointError, CorruptCheckpointError, SessionStateErro
 
 # verification hashes whole files: remember results per (path, size, mtime)
 _VERIFIED: dict[tuple, bool] = {}
+
+
+def _stat_key(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
 
 
 class CheckpointBrowser:
@@ -46,7 +55,8 @@ class CheckpointBrowser:
         return match[-1]
 
     def verified(self, ckpt: checkpoints.Checkpoint) -> bool:
-        key = (ckpt.path, ckpt.size, ckpt.mtime)
+        """Whether the files match the manifest's sha256 (remembered while no file changes)."""
+        key = (ckpt.path, *(_stat_key(p) for p in (ckpt.path, ckpt.opt_path, ckpt.manifest_path)))
         if key not in _VERIFIED:
             try:
                 checkpoints.verify(ckpt)
@@ -65,9 +75,13 @@ class CheckpointBrowser:
         would_remove = set()
         options = self._session.config.typed_value("cleanup_old_models")
         if options and ckpts:
-            score_map = {e: scores.scores(e) for e in scores.epochs}
+            # the same scores and protection as the cleanup at each epoch end (kit.engine.resume.cleanup)
+            score_map = {e: {k: v for k, v in scores.scores(e).items() if not k.startswith("train_")}
+                         for e in scores.epochs}
             preview = {**({} if options is True else dict(options)), "dry_run": True}
-            would_remove = {c.path for c in checkpoints.cleanup(self.prefix, preview, scores=score_map)}
+            last = self._session.engine.last_checkpoint
+            would_remove = {c.path for c in checkpoints.cleanup(self.prefix, preview, scores=score_map,
+                                                                 protect=[last] if last is not None else [])}
         rows = []
         for c in ckpts:
             row = {"name": c.name, "kind": c.kind, "epoch": c.epoch, "global_train_step": c.global_train_step,

@@ -39,6 +39,8 @@ class History:
     """Per-step records: global step, epoch, step, normalized losses, LR, seconds, memory."""
 
     def __init__(self, max_rows: int = 100_000, flush_every: int = 1000):
+        if max_rows < 1:
+            raise ValueError(f"history max_rows must be >= 1, got {max_rows}")
         self.max_rows = max_rows
         self.flush_every = flush_every
         self.rows: list[dict[str, Any]] = []
@@ -79,9 +81,10 @@ class History:
                     row[name] = float(host[j, 0, k] / host[j, 1, k])
         self.rows.extend(row for row, _ in self._pending)
         self._pending.clear()
-        if len(self.rows) > self.max_rows:
-            self.rows = self.rows[::2]
+        while len(self.rows) > self.max_rows:
+            # keep every other step by number (not by position), so rows stay on the stride's grid
             self._stride *= 2
+            self.rows = [r for r in self.rows if r["global_train_step"] % self._stride == 0]
 
     def truncate_after(self, global_train_step: int) -> None:
         """Forget steps at or after ``global_train_step`` (after a rewind to an earlier state)."""

@@ -28,7 +28,7 @@ import torch
 from kit import rng
 from kit.config import Config
 from kit.engine.engine import Engine, StepResult
-from kit.errors import ConfigError, SessionStateError
+from kit.errors import ConfigError, KitError, SessionStateError
 from kit.events import Events
 from kit.history import History
 from kit.interrupts import InterruptGuard
@@ -69,21 +69,32 @@ def _advance(gen: Generator, deadline: float | None) -> tuple[bool, Any]:
 class Session:
     """Drive the engine step by step from a notebook.
 
+    ``Session(**config_keys)``, ``Session(config)`` and ``Session(config=config)`` are the
+    same; keyword arguments next to a ``config`` override its keys (the given Config is
+    copied, never changed). Construction is cheap: the model, optimizer, data workers and
+    device memory are created on first use.
+
     Args:
-        config: a :class:`Config` (or mapping); keyword arguments are config keys too.
+        config: a :class:`Config` (or mapping of config keys).
         live: show the live dashboard whenever training runs.
+        history_max_rows: bound of :attr:`history`; beyond it older steps are thinned out.
     """
 
-    def __init__(self, config: Config | Mapping[str, Any] | None = None, /, *, live: bool = False, **kwargs: Any):
+    def __init__(self, config: Config | Mapping[str, Any] | None = None, *, live: bool = False,
+                 history_max_rows: int = 100_000, **kwargs: Any):
         if isinstance(config, Config):
             self.config = config.copy().update(kwargs)
-        else:
+        elif config is None or isinstance(config, Mapping):
             self.config = Config(dict(config or {}), **kwargs)
+        else:
+            raise TypeError(f"Session(config=...): expected a kit.Config or a dict of config keys, got "
+                            f"{type(config).__name__}; for a config file use kit.Session.from_config(path)")
         self.events = Events()
         self.engine = Engine(self.config, events=self.events)
-        self._history = History()
+        self._history = History(max_rows=history_max_rows)
         self.events.on("step_end", self._history.on_step_end)
         self.live = live
+        self._live_dashboard: Any = None
         from kit import debug
 
         # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
@@ -106,8 +117,8 @@ class Session:
     @classmethod
     def from_config(cls, path: str | os.PathLike, /, **overrides: Any) -> Session:
         """A session from a RETURNN-style config file; keyword arguments override its keys."""
-        live = overrides.pop("live", False)
-        return cls(Config.from_file(path, **overrides), live=live)
+        options = {k: overrides.pop(k) for k in ("live", "history_max_rows") if k in overrides}
+        return cls(Config.from_file(path, **overrides), **options)
 
     # ---- the session's world ----------------------------------------------------------
 
@@ -199,9 +210,13 @@ class Session:
         return self._run(lambda: self._units("epoch"), live=live)
 
     def train(self, num_epochs: int | None = None, *, live: bool | None = None) -> dict[str, Any] | Paused:
-        """Train up to ``num_epochs`` (default: the config's); returns the last epoch's scores."""
+        """Train up to epoch ``num_epochs`` (default: the config's); returns the last epoch's scores.
+
+        ``num_epochs`` becomes the final epoch (the config's ``num_epochs``), raised or lowered;
+        it cannot be below an epoch that is already trained or running.
+        """
         if num_epochs is not None:
-            self.extend(num_epochs)
+            self._set_final_epoch(num_epochs, lower_ok=True)
         return self._run(lambda: self._units("train"), live=live, allow_finished=True)
 
     async def train_steps_async(self, n: int) -> StepResult | Paused | None:
@@ -215,7 +230,7 @@ class Session:
     async def train_async(self, num_epochs: int | None = None, *, live: bool | None = None) -> Any:
         """Like :meth:`train`; ``await session.train_async()`` keeps the kernel responsive."""
         if num_epochs is not None:
-            self.extend(num_epochs)
+            self._set_final_epoch(num_epochs, lower_ok=True)
         return await self._run_async(lambda: self._units("train"), live=live, allow_finished=True)
 
     def train_in_background(self, goal: str = "train", n: int = 1, *, live: bool | None = None) -> threading.Thread:
@@ -228,12 +243,14 @@ class Session:
         if self._thread is not None and self._thread.is_alive():
             raise SessionStateError("this session is already training in the background; call wait() or pause()")
         units = (lambda: self._units("steps", self._check_n(n))) if goal == "steps" else (lambda: self._units(goal))
+        self._guard.clear()
         self._prepare_run(live, allow_finished=goal == "train")
         self._background = {}
 
         def target() -> None:
             try:
-                self._background["result"] = self._drive_all(units)
+                # finished here, not in wait(): status and the interrupt event come when the thread stops
+                self._background["result"] = self._finish_run(self._drive_all(units))
             except BaseException as exc:
                 self._background["error"] = exc
 
@@ -251,19 +268,30 @@ class Session:
         self._thread, outcome = None, self._background
         if "error" in outcome:
             raise outcome["error"]
-        return self._finish_run(outcome.get("result"))
+        return outcome.get("result")
 
     @property
     def is_training(self) -> bool:
         return self.status == "running"
 
     def extend(self, num_epochs: int) -> None:
-        """Raise the final epoch without resetting LR control or history."""
-        if num_epochs < self.config.int("num_epochs"):
-            raise ValueError(f"extend(num_epochs={num_epochs}): must be >= the current num_epochs "
-                             f"{self.config.int('num_epochs')}")
+        """Raise the final epoch without resetting LR control or history; ``train()`` goes on to it."""
+        self._set_final_epoch(num_epochs, lower_ok=False)
+
+    def _set_final_epoch(self, num_epochs: int, *, lower_ok: bool) -> None:
+        current = self.config.int("num_epochs")
+        if not isinstance(num_epochs, int) or num_epochs < 1:
+            raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
+        if num_epochs < current and not lower_ok:
+            raise ValueError(f"extend(num_epochs={num_epochs}): must be >= the current num_epochs {current}; "
+                             f"use train(num_epochs={num_epochs}) to stop earlier")
+        p = self.engine.progress
+        done = p.epoch if p.epoch_running else p.epoch - 1
+        if num_epochs < done:
+            raise ValueError(f"num_epochs={num_epochs}: epoch {done} is already "
+                             f"{'running' if p.epoch_running else 'trained'}; the final epoch cannot be earlier")
         self.config.update(num_epochs=num_epochs)
-        if self.status == "finished":
+        if self.status == "finished" and num_epochs > done:
             self.status = "ready"
 
     @staticmethod
@@ -276,8 +304,7 @@ class Session:
         """Run train steps / epoch ends towards ``goal``; yields between units."""
         engine, steps, last = self.engine, 0, None
         while True:
-            p = engine.progress
-            if not p.epoch_running and p.epoch > engine.final_epoch:
+            if self._all_trained():
                 self.status = "finished"
                 return last if goal == "steps" else self._last_row()
             result = engine.train_step()
@@ -291,9 +318,13 @@ class Session:
                     return self._break_here(result)
                 if goal == "steps" and steps >= n:
                     return last
-            if self._guard.requested:
+            if self._guard.requested and not self._all_trained():
                 return _PAUSED
             yield
+
+    def _all_trained(self) -> bool:
+        p = self.engine.progress
+        return not p.epoch_running and p.epoch > self.engine.final_epoch
 
     # ---- debugging ----------------------------------------------------------------------
 
@@ -341,16 +372,20 @@ class Session:
         return self.engine.epoch_scores(epochs[-1]) if epochs else {}
 
     def _run(self, units: Callable[[], Generator], *, live: bool | None = None, allow_finished: bool = False) -> Any:
-        self._prepare_run(live, allow_finished)
+        # the handler is in place before the set-up (model build, resume) so that an interrupt
+        # there pauses after the first step instead of tearing the set-up apart
+        self._guard.clear()
         with self._guard.held():
+            self._prepare_run(live, allow_finished)
             return self._finish_run(self._drive_all(units))
 
     async def _run_async(self, units: Callable[[], Generator], *, live: bool | None = None,
                          allow_finished: bool = False) -> Any:
         import asyncio
 
-        self._prepare_run(live, allow_finished)
+        self._guard.clear()
         with self._guard.held():
+            self._prepare_run(live, allow_finished)
             gen = units()
             while True:
                 deadline = time.monotonic() + self.yield_every_secs
@@ -367,32 +402,45 @@ class Session:
     def _prepare_run(self, live: bool | None, allow_finished: bool) -> None:
         """Preconditions of every train_* call, and the dashboard when asked."""
         self._check_can_train()
-        self._training_parts()
+        with self._forced_interrupt_marked():
+            self._training_parts()
         p = self.engine.progress
         if not allow_finished and not p.epoch_running and p.epoch > self.engine.final_epoch:
             raise SessionStateError(f"all {self.engine.final_epoch} epochs are trained; "
                                     "call session.extend(num_epochs) or session.train(num_epochs) to train more")
         if live if live is not None else self.live:
             self._show_dashboard()
-        self._guard.clear()
         self.status = "running"
 
     @contextlib.contextmanager
-    def _errors_tracked(self) -> Iterator[None]:
-        """A forced interrupt mid-step marks the session inconsistent; errors set the status."""
+    def _forced_interrupt_marked(self) -> Iterator[None]:
+        """A KeyboardInterrupt (second interrupt within a second) may leave a half-updated state:
+        remember where, so that train_* refuses until restore / reload_latest."""
         try:
             yield
         except KeyboardInterrupt:
             self._mid_step = self.engine.progress.where()
             self.status = "error: interrupted mid-step"
             raise
+
+    @contextlib.contextmanager
+    def _errors_tracked(self) -> Iterator[None]:
+        """A forced interrupt mid-step marks the session inconsistent; errors set the status."""
+        try:
+            with self._forced_interrupt_marked():
+                yield
+        except KeyboardInterrupt:
+            raise
         except BaseException as exc:
             self.status = f"error: {type(exc).__name__}: {exc}".split("\n")[0]
             raise
 
     def _finish_run(self, result: Any) -> Any:
-        if result is _PAUSED or self._guard.requested:
+        if result is _PAUSED:
             return self._paused()
+        if self._guard.requested:  # it came as the last unit finished: the goal is reached anyway
+            logger.info("%s arrived as the train call finished; nothing to pause", self._guard.reason)
+            self._guard.clear()
         if self.status == "running":
             self.status = "ready"
         return result
@@ -469,7 +517,12 @@ class Session:
     # ---- eval and forward ---------------------------------------------------------------
 
     def eval(self, datasets: Any = None) -> dict[str, dict[str, float]]:
-        """Scores per eval dataset; recorded in the score table when at an epoch end."""
+        """Scores per eval dataset: the config's (``dev``, ``eval``, ``eval_datasets``) or ``datasets``
+        (a dataset, dataset dict, or name → dataset).
+
+        The config's eval datasets evaluated at an epoch end (not mid-epoch, not while a
+        checkpoint is loaded for inspection) are recorded in that epoch's score row.
+        """
         self._setup()
         if datasets is not None and not isinstance(datasets, Mapping):
             datasets = {"eval": datasets}
@@ -480,36 +533,60 @@ class Session:
         with self._world():
             results = self.engine.eval_model(datasets)
         p = self.engine.progress
-        if datasets is None and not p.epoch_running and p.epoch > 1 and self.engine.scores is not None:
+        at_epoch_end = not p.epoch_running and p.epoch > 1 and not self._inspecting
+        if datasets is None and at_epoch_end and self.engine.scores is not None:
             self.engine._record_eval(p.epoch - 1, results)
             self.engine._save_scores()
         return results
 
-    def forward(self, data: Any, callback: Any = None) -> Any:
-        """Outputs per sequence for a dataset, a Batch, or a list of seq tags of a known dataset."""
+    def forward(self, data: Any, callback: Any = None, *, dataset: str | None = None) -> Any:
+        """Outputs per sequence for a dataset, a Batch, or a list of seq tags of a known dataset.
+
+        Returns a :class:`kit.ForwardResult` (seq tag → {output name: numpy array}), or None
+        when ``callback`` (``init`` / ``process_seq`` / ``finish``) receives the outputs.
+        Seq tags are looked up in this session's datasets; ``dataset="dev"`` (a config key,
+        or a name in ``eval_datasets``) says which one when several hold the tags.
+        """
         self._setup()
         if self.config.typed_value("forward_step") is None:
             raise ConfigError("config key 'forward_step' is not set: forward needs forward_step(*, model, extern_data, **kwargs)")
+        from kit.data.batch import Batch
+
         seq_indices = None
         if isinstance(data, (list, tuple)) and all(isinstance(t, str) for t in data):
-            data, seq_indices = self._resolve_tags(list(data))
-        elif isinstance(data, (Mapping, str)):
+            data, seq_indices = self._resolve_tags(list(data), dataset)
+        elif isinstance(data, (Mapping, str)) and not isinstance(data, Batch):  # a Batch is a Mapping too
             from kit.data import make_dataset
 
             data = make_dataset(data)
         with self._world():
             return self.engine.forward(data, callback, seq_indices=seq_indices)
 
-    def _resolve_tags(self, tags: list[str]) -> tuple[Any, list[int]]:
+    def _resolve_tags(self, tags: list[str], name: str | None) -> tuple[Any, list[int]]:
         datasets = {k: v for k, v in self.engine.datasets.items() if v is not None}
-        for dataset in datasets.values():
+        known = ", ".join(k.removeprefix("eval_datasets.") for k in datasets) or "none"
+        if name is not None:
+            key = name if name in datasets else f"eval_datasets.{name}"
+            if key not in datasets:
+                raise UnknownSeqTagError(f"forward(dataset={name!r}): no such dataset in this session (known: {known})")
+            datasets = {key: datasets[key]}
+        found: dict[int, tuple[str, Any, list[int]]] = {}
+        for key, ds in datasets.items():
             try:
-                return dataset, [dataset.get_seq_index(t) for t in tags]
+                found.setdefault(id(ds), (key, ds, [ds.get_seq_index(t) for t in tags]))
             except KeyError:
                 continue
-        known = ", ".join(datasets) or "none"
+        if len(found) == 1:
+            _, ds, indices = next(iter(found.values()))
+            return ds, indices
+        if found:
+            where = ", ".join(repr(k.removeprefix("eval_datasets.")) for k, _, _ in found.values())
+            raise UnknownSeqTagError(f"seq tags {tags[:3]} are in several datasets ({where}); "
+                                     f"say which one: session.forward(tags, dataset=...)")
         missing = [t for t in tags if not any(_has_tag(ds, t) for ds in datasets.values())]
-        raise KeyError(f"unknown seq tag(s) {missing[:5]}: not in any of this session's datasets ({known})")
+        scope = f"dataset {name!r}" if name else "any of this session's datasets"
+        raise UnknownSeqTagError(f"unknown seq tag(s) {missing[:5]}: not in {scope} (known datasets: {known}; "
+                                 f"their tags look like {_tag_examples(datasets)})")
 
     # ---- stores and views ---------------------------------------------------------------
 
@@ -548,37 +625,39 @@ class Session:
         try:
             from IPython.display import display
 
-            display(self.dashboard())
+            if self._live_dashboard is None:  # one live dashboard per session, not one per call
+                self._live_dashboard = self.dashboard()
+            display(self._live_dashboard)
         except ImportError:
             pass
 
     # ---- lifetime ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free model, optimizer, workers and device memory."""
+        """Free model, optimizer, workers and device memory.
+
+        Also drops IPython's stored last exception (``sys.last_traceback``, ``%debug``'s
+        frames, the last cell's error) and output-cache entries when they hold this
+        session's model or optimizer — otherwise those would keep them alive.
+        """
         if self._closed:
             return
-        self.engine.close()
+        if self._thread is not None and self._thread.is_alive():
+            self.pause()
+            self._thread.join()
+        engine = self.engine
+        optimizer = getattr(engine.updater, "optimizer", None)
+        parts = [p for p in (engine.model, engine.updater, optimizer) if p is not None]
+        _drop_stored_references({id(o) for o in (self, engine, *parts)}, {id(o) for o in parts})
+        del parts, optimizer
+        engine.close()
         self.release()
         self._stashed_state = None
-        self._drop_stored_traceback()
         self._closed = True
         self.status = "closed"
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-    def _drop_stored_traceback(self) -> None:
-        """IPython keeps the last exception's frames alive; drop them when they hold this session."""
-        tb = getattr(sys, "last_traceback", None)
-        refs = {id(self), id(self.engine)}
-        while tb is not None:
-            if any(id(v) in refs for v in tb.tb_frame.f_locals.values()):
-                for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-                    if hasattr(sys, name):
-                        setattr(sys, name, None)
-                break
-            tb = tb.tb_next
 
     def __enter__(self) -> Session:
         return self
@@ -595,6 +674,79 @@ class Session:
         from kit.widgets.summary import session_html
 
         return session_html(self)
+
+
+def _holds(exc: BaseException | None, refs: set[int]) -> bool:
+    """Whether a frame of ``exc``'s traceback (or of its cause/context chain) holds one of ``refs``."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if _tb_holds(exc.__traceback__, refs):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _tb_holds(tb: Any, refs: set[int]) -> bool:
+    while tb is not None:
+        if any(id(v) in refs for v in tb.tb_frame.f_locals.values()):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _drop_stored_references(frame_refs: set[int], value_refs: set[int]) -> None:
+    """Forget stored exceptions whose frames hold ``frame_refs``, and cached outputs in ``value_refs``."""
+    last = getattr(sys, "last_value", None) or getattr(sys, "last_exc", None)
+    if last is not None and _holds(last, frame_refs):
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                setattr(sys, name, None)
+    if "IPython" not in sys.modules:
+        return
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        return
+    result = getattr(shell, "last_execution_result", None)
+    if result is not None and _holds(getattr(result, "error_in_exec", None), frame_refs):
+        result.error_in_exec = None
+    formatter = getattr(shell, "InteractiveTB", None)  # keeps the traceback for %debug
+    if formatter is not None and _tb_holds(getattr(formatter, "tb", None), frame_refs):
+        formatter.tb = None
+    ns = getattr(shell, "user_ns", {})
+    out = ns.get("Out")
+    if isinstance(out, dict):
+        for key in [k for k, v in out.items() if id(v) in value_refs]:
+            del out[key]
+    for name in [k for k, v in ns.items() if _is_output_variable(k) and id(v) in value_refs]:
+        ns[name] = None
+    hook = getattr(shell, "displayhook", None)
+    for name in ("_", "__", "___"):
+        if hook is not None and id(getattr(hook, name, None)) in value_refs:
+            setattr(hook, name, None)
+
+
+def _is_output_variable(name: str) -> bool:
+    """IPython's output cache names: ``_``, ``__``, ``___``, ``_12``."""
+    return name in ("_", "__", "___") or (name.startswith("_") and name[1:].isdigit())
+
+
+class UnknownSeqTagError(KitError, KeyError):
+    """``forward`` was given seq tags that no (or more than one) dataset of the session holds."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+def _tag_examples(datasets: Mapping[str, Any]) -> str:
+    for ds in datasets.values():
+        try:
+            return ", ".join(repr(ds.get_seq_tag(i)) for i in range(min(2, len(ds))))
+        except Exception:  # a dataset without tags or length: no examples
+            continue
+    return "?"
 
 
 def _has_tag(dataset: Any, tag: str) -> bool:

@@ -1,0 +1,92 @@
+"""Two sessions in one process never interfere: stepped in turns, each equals itself run alone."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+
+import numpy as np
+import torch
+from helpers.models import tiny_config
+from helpers.models import train_step as tiny_train_step
+from session_testlib import LossRecorder, state, states_equal
+
+import kit
+from kit.session import Session
+
+
+def noisy_train_step(*, model, extern_data, **kwargs):
+    """The tiny step plus a loss term scaled by numpy and python random draws (user-code randomness)."""
+    tiny_train_step(model=model, extern_data=extern_data, **kwargs)
+    scale = 1.0 + np.random.rand() + random.random()
+    kit.get_run_ctx().mark_as_loss(model.out.bias.square().sum() * scale, "noise")
+
+
+CONFIG_A = dict(train_step=noisy_train_step, num_epochs=2)
+CONFIG_B = dict(train_step=noisy_train_step, num_epochs=2, random_seed=7, learning_rate=0.02, max_seqs=6)
+CONFIGS = {"a": CONFIG_A, "b": CONFIG_B}
+
+
+def run(session: Session, calls: list) -> None:
+    for call in calls:
+        call(session)
+
+
+@functools.cache
+def alone(which: str) -> tuple[dict, torch.Tensor]:
+    rec = LossRecorder()
+    with kit.Session(**tiny_config(**CONFIGS[which])) as s:
+        s.on("step_end", rec)
+        s.train()
+        return state(s.model), rec.stacked()
+
+
+def interleaved() -> list[tuple[dict, torch.Tensor]]:
+    sessions, recorders = [], []
+    for config in (CONFIG_A, CONFIG_B):
+        recorders.append(LossRecorder())
+        sessions.append(kit.Session(**tiny_config(**config)))
+        sessions[-1].on("step_end", recorders[-1])
+    a, b = sessions
+    for _ in range(3):
+        a.train_step()
+        b.train_step()
+    a.train_steps(5)
+    b.train_epoch()
+    a.train_epoch()
+    b.eval()
+    b.train_steps(4)
+    a.forward(["seq-1"], dataset="dev")
+    a.train_step()
+    b.train()
+    a.train()
+    out = [(state(s.model), r.stacked()) for s, r in zip(sessions, recorders)]
+    for s in sessions:
+        s.close()
+    return out
+
+
+def test_two_sessions_stepped_in_turns_each_equal_their_run_alone():
+    expected = [alone("a"), alone("b")]
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    got = interleaved()
+    for (want_state, want_losses), (got_state, got_losses) in zip(expected, got):
+        assert states_equal(got_state, want_state)
+        assert torch.equal(got_losses, want_losses)
+    # the caller's own random streams are untouched by the sessions' work
+    draws = (torch.rand(1), np.random.rand(), random.random())
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    assert draws == (torch.rand(1), np.random.rand(), random.random())
+
+
+def test_negative_control_without_swapping_rng_states_the_sessions_interfere(monkeypatch):
+    expected = [alone("a"), alone("b")]
+    monkeypatch.setattr(Session, "_world", lambda self: contextlib.nullcontext())
+    got = interleaved()
+    assert not all(states_equal(g[0], e[0]) for g, e in zip(got, expected))
+    assert not all(torch.equal(g[1], e[1]) for g, e in zip(got, expected))
