@@ -52,6 +52,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from kit.engine.engine import Engine
 
     engine = Engine(_config(args))
+    engine.task = "eval"  # RETURNN: load / load_epoch choose the weights; preload entries for recog apply
     results = engine.eval_model()
     if not results:
         raise KitError(f"{args.config}: no eval datasets (set 'dev', 'eval' or 'eval_datasets')")
@@ -72,6 +73,7 @@ def cmd_forward(args: argparse.Namespace) -> int:
     if data is None:
         raise KitError(f"{args.config}: set 'forward_data' (or 'dev') to the dataset to forward")
     engine = Engine(config)
+    engine.task = "forward"
     callback = config.typed_value("forward_callback")
     result = engine.forward(make_dataset(data), callback)
     if callback is None:

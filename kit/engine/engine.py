@@ -69,6 +69,8 @@ class Engine:
     def __init__(self, config: Config, *, events: Events | None = None):
         self.config = config
         self.events = events or Events()
+        # RETURNN's task: "eval" / "forward" load the weights of load / load_epoch, never a training state
+        self.task = "train"
         self.progress = Progress()
         self.is_set_up = False
         self.device: torch.device | None = None
@@ -108,7 +110,7 @@ class Engine:
         self.datasets = resume.build_datasets(self.config)
         self.extern_data = resume.build_extern_data(self.config)
         self.scores = resume.open_score_table(self.config)
-        start = resume.find_start(self.config, self.scores)
+        start = resume.find_start(self.config, self.scores, training=resume.is_training(self))
         self.progress.epoch = start.epoch
         self.progress.global_train_step = start.global_train_step
         self.model = self._create_model(start.epoch, start.global_train_step)
@@ -122,6 +124,7 @@ class Engine:
         if start.needs_eval:
             self._ensure_training_parts()
             self._record_eval(start.epoch - 1, self.eval_model())
+            self._save_scores()
 
     def _create_model(self, epoch: int, step: int) -> torch.nn.Module:
         get_model = self.config.typed_value("get_model")

@@ -1,15 +1,35 @@
-"""Where training starts, and the engine's state in and out of checkpoints.
+"""Where a run starts, and the engine's state in and out of checkpoints.
 
-Start rule (first match wins): the newest complete checkpoint under ``model``
-(``start_epoch='auto'``) → ``start_epoch=N`` (the checkpoint of epoch N-1) →
-``load_epoch`` → ``load`` (a file) → ``import_model_train_epoch1`` (weights only, epoch 1)
-→ a fresh model (with ``preload_from_files``).
+Training (RETURNN's ``task="train"``; first match wins):
+
+1. ``start_epoch=1``: a fresh model (existing checkpoints are ignored, with a warning).
+2. ``start_epoch=N``: the checkpoint of epoch N-1 (or the ``load`` file's weights).
+3. the newest complete, verified checkpoint under ``model`` (epoch or mid-epoch step); a
+   broken newer one is skipped with a warning. ``load`` / ``load_epoch`` are then ignored,
+   as in RETURNN: a re-run continues where the last one stopped.
+4. ``import_model_train_epoch1``: its weights, training starts at epoch 1.
+5. ``load_epoch`` without any checkpoint: an error.
+6. ``load``: a kit checkpoint continues with its whole training state; any other model file
+   gives the weights, and training continues after the epoch stored in (or named by) it.
+7. a fresh model.
+
+Not training (eval / forward, or a config without ``train`` / ``train_step``): ``load``, else
+the checkpoint of ``load_epoch``, else the newest checkpoint, else a fresh model — weights only.
+
+Then ``preload_from_files`` (entries with ``init_for_train=True`` only when training starts
+fresh, the others only when not training) and ``load_model_post_hooks``.
+
+On a training start at epoch ``s`` the score table forgets the scores of epochs >= s (a
+killed run may have written some; they are trained again), keeps stored learning rates, and
+gets back rows it lost from the copy inside the checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +45,17 @@ logger = logging.getLogger("kit")
 
 @dataclass
 class Start:
+    """Where a run starts: the epoch to train (or the next one), weights and training state."""
+
     epoch: int = 1
     global_train_step: int = 0
     model_state: dict | None = None
     train_state: dict | None = None
     source: str = "fresh"
     needs_eval: bool = False
+    first_train_epoch: bool = True  # RETURNN: preload entries with init_for_train=True apply
+    import_path: str | None = None  # import_model_train_epoch1, loaded by init_weights
+    checkpoint: Any = None  # the kit checkpoint it starts from
 
 
 # ---- datasets and stores ----------------------------------------------------------------
@@ -92,62 +117,218 @@ def open_score_table(config: Config) -> Any:
 # ---- choosing the start ------------------------------------------------------------------
 
 
-def find_start(config: Config, scores: Any) -> Start:
-    prefix = config.typed_value("model")
-    start_epoch = config.typed_value("start_epoch")
-    if start_epoch not in ("auto", None):
-        return _start_at_epoch(prefix, int(start_epoch))
-    if prefix and (ckpt := checkpoints.latest(prefix)) is not None:
-        start = _start_from(ckpt, "resume")
-        start.needs_eval = _needs_eval(config, scores, ckpt)
+def can_train(config: Config) -> bool:
+    return config.typed_value("train") is not None and config.typed_value("train_step") is not None
+
+
+def is_training(engine: Any) -> bool:
+    """RETURNN's ``task == "train"``: the engine trains (not only eval / forward)."""
+    return getattr(engine, "task", "train") == "train" and can_train(engine.config)
+
+
+def find_start(config: Config, scores: Any, *, training: bool | None = None) -> Start:
+    """Decide where the run starts (see the module docstring); aligns ``scores`` when training."""
+    if training is None:
+        training = can_train(config)
+    if not training:
+        start = _find_eval_start(config)
+        start.train_state = None
         return start
+    start = _find_train_start(config)
+    _align_scores(scores, start)
+    start.needs_eval = _needs_eval(config, scores, start)
+    return start
+
+
+def _find_train_start(config: Config) -> Start:
+    prefix = config.typed_value("model")
+    start_epoch = _start_epoch(config)
+    load = config.typed_value("load")
+    if start_epoch == 1:
+        if prefix and any(c.complete for c in checkpoints.list_checkpoints(prefix)):
+            logger.warning("start_epoch=1: ignoring the existing checkpoints under %r; training starts anew", prefix)
+        return _fresh_or_import(config, "start_epoch=1")
+    if start_epoch is not None:
+        if load:  # RETURNN: the load file's weights, the epoch of start_epoch
+            start = _start_from_file(load, training=True, with_train_state=False)
+            start.epoch, start.first_train_epoch = start_epoch, False
+            return start
+        return _start_from(_epoch_checkpoint(prefix, start_epoch - 1, "start_epoch"), f"start_epoch={start_epoch}")
+    if prefix and (ckpt := checkpoints.latest(prefix)) is not None:
+        if load or config.typed_value("import_model_train_epoch1"):
+            logger.info("resuming from the existing checkpoint %s; 'load' / 'import_model_train_epoch1' are ignored",
+                        ckpt.name)
+        return _start_from(ckpt, "resume")
+    if config.typed_value("import_model_train_epoch1"):
+        return _fresh_or_import(config, "fresh")
     if config.typed_value("load_epoch"):
-        return _start_at_epoch(prefix, int(config.typed_value("load_epoch")) + 1)
-    if config.typed_value("load"):
-        model_file = checkpoints.load(config.typed_value("load"))
-        state = model_file.get("model", model_file) if isinstance(model_file, dict) else model_file
-        epoch = int(model_file.get("epoch", 0)) if isinstance(model_file, dict) else 0
-        return Start(epoch=epoch + 1, global_train_step=int(model_file.get("step", 0) or 0),
-                     model_state=state, source=f"load={config.typed_value('load')!r}")
+        return _start_from(_epoch_checkpoint(prefix, int(config.typed_value("load_epoch")), "load_epoch"), "load_epoch")
+    if load:
+        return _start_from_file(load, training=True)
     return Start()
 
 
-def _start_at_epoch(prefix: str | None, epoch: int) -> Start:
-    if epoch <= 1:
-        return Start()
+def _find_eval_start(config: Config) -> Start:
+    prefix = config.typed_value("model")
+    if config.typed_value("load"):
+        return _start_from_file(config.typed_value("load"), training=False)
+    if config.typed_value("load_epoch"):
+        ckpt = _epoch_checkpoint(prefix, int(config.typed_value("load_epoch")), "load_epoch")
+        return _start_from(ckpt, "load_epoch", with_train_state=False)
+    if prefix and (ckpt := checkpoints.latest(prefix)) is not None:
+        return _start_from(ckpt, "newest checkpoint", with_train_state=False)
+    return Start(first_train_epoch=False)
+
+
+def _start_epoch(config: Config) -> int | None:
+    value = config.typed_value("start_epoch")
+    if value in ("auto", None):
+        return None
+    try:
+        epoch = int(value)
+    except (TypeError, ValueError):
+        epoch = 0
+    if epoch < 1:
+        raise ConfigError(f"config key 'start_epoch': got {value!r}, expected 'auto' or an epoch >= 1")
+    return epoch
+
+
+def _fresh_or_import(config: Config, source: str) -> Start:
+    path = config.typed_value("import_model_train_epoch1")
+    if not path:
+        return Start(source=source)
+    return Start(source=f"import_model_train_epoch1={path!r}", import_path=_resolve_file(path, "import_model_train_epoch1"))
+
+
+def _epoch_checkpoint(prefix: str | None, epoch: int, key: str) -> Any:
     if not prefix:
-        raise ConfigError(f"config key 'start_epoch'/'load_epoch': epoch {epoch} needs checkpoints, but 'model' is not set")
-    wanted = [c for c in checkpoints.list_checkpoints(prefix) if c.kind == "epoch" and c.epoch == epoch - 1]
-    if not wanted or not wanted[-1].complete:
-        raise CheckpointError(f"no complete checkpoint of epoch {epoch - 1} under '{prefix}' to start epoch {epoch} from")
-    return _start_from(wanted[-1], f"epoch {epoch - 1} checkpoint")
+        raise ConfigError(f"config key '{key}': needs the checkpoint of epoch {epoch}, but 'model' is not set")
+    found = [c for c in checkpoints.list_checkpoints(prefix) if c.kind == "epoch" and c.epoch == epoch and c.complete]
+    if not found:
+        have = sorted({c.epoch for c in checkpoints.list_checkpoints(prefix) if c.kind == "epoch" and c.complete})
+        raise CheckpointError(f"config key '{key}': no complete checkpoint of epoch {epoch} under '{prefix}' "
+                              f"(complete epoch checkpoints: {have or 'none'})")
+    return found[-1]
 
 
-def _start_from(ckpt: Any, source: str) -> Start:
-    model_file, train_state = checkpoints.load_checkpoint(ckpt)
-    progress = (train_state or {}).get("progress", {})
-    epoch = int(progress.get("epoch", ckpt.epoch + 1))
-    step = int(progress.get("global_train_step", model_file.get("step", 0) or 0))
-    logger.info("resuming from %s (%s): epoch %d, global step %d", ckpt.path, source, epoch, step)
+def _start_from(ckpt: Any, source: str, *, with_train_state: bool = True) -> Start:
+    model_file, train_state = checkpoints.load_checkpoint(ckpt, load_train_state=with_train_state)
+    step = int(model_file.get("step", ckpt.global_train_step or 0) or 0)
+    if train_state is not None:
+        progress = train_state.get("progress", {})
+        epoch = int(progress.get("epoch", ckpt.epoch + 1))
+        step = int(progress.get("global_train_step", step))
+    else:
+        # without the data position a step checkpoint can only restart its epoch
+        epoch = ckpt.epoch + 1 if ckpt.kind == "epoch" else ckpt.epoch
+        if with_train_state:
+            logger.warning("checkpoint %s has no training state: continuing with its weights only, "
+                           "fresh optimizer, at the start of epoch %d", ckpt.name, epoch)
+    logger.info("starting from %s (%s): epoch %d, global step %d", ckpt.path, source, epoch, step)
     return Start(epoch=epoch, global_train_step=step, model_state=model_file["model"], train_state=train_state,
-                 source=f"{source}: {ckpt.path}")
+                 source=f"{source}: {ckpt.path}", first_train_epoch=False, checkpoint=ckpt)
 
 
-def _needs_eval(config: Config, scores: Any, ckpt: Any) -> bool:
-    """RETURNN's missing-eval rule: last epoch unevaluated → eval now; an older one → error."""
+_CKPT_NAME = re.compile(r"^(?P<prefix>.+)\.(?P<epoch>\d{3,})(?:\.step(?P<step>\d+))?\.pt$")
+
+
+def _resolve_file(path: Any, key: str) -> str:
+    """The file a ``load`` / ``import_model_train_epoch1`` value names (RETURNN allows leaving out ``.pt``)."""
+    path = os.fspath(path)
+    for candidate in (path, path + ".pt"):
+        if os.path.isfile(candidate):
+            return candidate
+    raise CheckpointError(f"config key '{key}': file {path!r} does not exist")
+
+
+def _as_checkpoint(path: str) -> Any:
+    """The kit checkpoint whose model file is ``path``, when it has a manifest; else None."""
+    m = _CKPT_NAME.match(path)
+    if m is None:
+        return None
+    for ckpt in checkpoints.list_checkpoints(m["prefix"]):
+        if os.path.abspath(ckpt.path) == os.path.abspath(path) and ckpt.complete:
+            return ckpt
+    return None
+
+
+def _start_from_file(value: Any, *, training: bool, with_train_state: bool = True) -> Start:
+    """``load``: a kit checkpoint (verified, with its training state when training) or a model file."""
+    path = _resolve_file(value, "load")
+    ckpt = _as_checkpoint(path)
+    if ckpt is not None:
+        return _start_from(ckpt, f"load={value!r}", with_train_state=training and with_train_state)
+    model_file = checkpoints.load(path)
+    state = model_file.get("model", model_file) if isinstance(model_file, dict) else model_file
+    if not isinstance(state, dict):
+        raise CheckpointError(f"config key 'load': {path} holds a {type(state).__name__}, not a state dict")
+    epoch, step = 0, 0
+    if isinstance(model_file, dict) and "model" in model_file:
+        epoch, step = int(model_file.get("epoch") or 0), int(model_file.get("step") or 0)
+    if not epoch and (m := _CKPT_NAME.match(path)):
+        epoch = int(m["epoch"])
+    return Start(epoch=epoch + 1, global_train_step=step, model_state=state, source=f"load={value!r}",
+                 first_train_epoch=epoch == 0)
+
+
+# ---- the score table at a training start -------------------------------------------------
+
+
+def _align_scores(scores: Any, start: Start) -> None:
+    """Rows lost from the file come back from the checkpoint; scores of epochs >= start are dropped."""
+    state = scores.state_dict()
+    snapshot = (start.train_state or {}).get("scores")
+    changed = False
+    if snapshot:
+        snapshot = json.loads(snapshot)
+        for epoch, row in snapshot.get("epochs", {}).items():
+            if int(epoch) < start.epoch and int(epoch) not in state["epochs"]:
+                state["epochs"][int(epoch)] = row
+                changed = True
+        state["error_keys"] = sorted(set(state["error_keys"]) | set(snapshot.get("error_keys", ())))
+    for epoch, row in list(state["epochs"].items()):
+        if epoch >= start.epoch and (row["scores"] or row["meta"]):
+            row["scores"], row["meta"], changed = {}, {}, True
+            if row["learning_rate"] is None:
+                del state["epochs"][epoch]
+    progress = (start.train_state or {}).get("progress", {})
+    if progress.get("epoch_running"):  # the lr the interrupted epoch was trained with
+        lr = float(start.train_state["learning_rate"]["epoch"])
+        row = state["epochs"].setdefault(start.epoch, {"learning_rate": None, "scores": {}, "meta": {}})
+        changed = changed or row["learning_rate"] != lr
+        row["learning_rate"] = lr
+    if changed:
+        scores.load_state_dict(state)
+        if scores.path:
+            scores.save()
+
+
+def _needs_eval(config: Config, scores: Any, start: Start) -> bool:
+    """RETURNN's missing-eval rule: the last finished epoch unevaluated → eval now; an older one → error.
+
+    Only for starts from a kit checkpoint: a foreign model file (``load``) has no score history.
+    """
     names = list(eval_datasets({k: None for k in _eval_keys(config)}))
-    if ckpt.kind != "epoch" or not names:
+    last = start.epoch - 1
+    if start.checkpoint is None or last < 1 or not names:
         return False
-    missing_last = [n for n in names if not scores.has_scores(ckpt.epoch, prefix=f"{n}_loss_")]
     for epoch in scores.epochs:
-        if epoch < ckpt.epoch and scores.has_scores(epoch, prefix="train_loss_"):
-            for n in names:
-                if not scores.has_scores(epoch, prefix=f"{n}_loss_"):
-                    raise CheckpointError(
-                        f"score table {scores.path!r}: epoch {epoch} has no scores for eval dataset {n!r}, "
-                        f"and only the last epoch ({ckpt.epoch}) can be evaluated again; remove {n!r} from "
-                        "the eval datasets or use a new 'model' path")
-    return bool(missing_last)
+        if epoch < last and scores.has_scores(epoch, prefix="train_loss_"):
+            missing = [n for n in names if not scores.has_scores(epoch, prefix=f"{n}_loss_")]
+            if missing:
+                raise CheckpointError(
+                    f"score table {scores.path!r}: epoch {epoch} has no scores for eval dataset(s) "
+                    f"{', '.join(map(repr, missing))}, and only the last finished epoch ({last}) can be evaluated "
+                    "when training resumes; remove them from the eval datasets or use a new 'model' path")
+    missing_last = [n for n in names if not scores.has_scores(last, prefix=f"{n}_loss_")]
+    if not missing_last:
+        return False
+    if (start.train_state or {}).get("progress", {}).get("epoch_running"):
+        logger.warning("epoch %d has no scores for %s, but training resumes in the middle of epoch %d: "
+                       "the model of epoch %d is not evaluated", last, ", ".join(missing_last), start.epoch, last)
+        return False
+    logger.info("epoch %d has no scores for %s: evaluating it now", last, ", ".join(missing_last))
+    return True
 
 
 def _eval_keys(config: Config) -> list[str]:
@@ -159,26 +340,38 @@ def _eval_keys(config: Config) -> list[str]:
 
 
 def init_weights(engine: Any, start: Start) -> None:
-    """Copy the start weights into the fresh model, or import / preload for a fresh start."""
+    """Copy the start weights into the fresh model, then preload and run the post-load hooks.
+
+    As in RETURNN, the weights may miss keys that a ``preload_from_files`` entry fills;
+    whatever is still missing afterwards is an error listing the keys.
+    """
     config, model = engine.config, engine.model
-    if start.model_state is not None:
-        checkpoints.load_into_model(model, start.model_state)
-    elif start.epoch == 1 and config.typed_value("import_model_train_epoch1"):
-        path = config.typed_value("import_model_train_epoch1")
-        model_file = checkpoints.load(path)
-        checkpoints.load_into_model(model, model_file.get("model", model_file))
-        logger.info("initialized epoch 1 from %s", path)
-    preload = config.typed_value("preload_from_files") or {}
-    training = config.typed_value("train") is not None and config.typed_value("train_step") is not None
-    fresh = start.model_state is None
-    for name, opts in preload.items():
-        for_train = bool(opts.get("init_for_train", False))
+    state, what = start.model_state, start.source
+    if start.import_path is not None:
+        model_file = checkpoints.load(start.import_path)
+        state = model_file.get("model", model_file) if isinstance(model_file, dict) else model_file
+        logger.info("initialized epoch 1 from %s (import_model_train_epoch1)", start.import_path)
+    training = is_training(engine)
+    preload = {
+        name: opts
+        for name, opts in (config.typed_value("preload_from_files") or {}).items()
         # RETURNN: init_for_train=True → only when training starts fresh; False → only when not training
-        if (for_train and training and fresh) or (not for_train and not training):
-            checkpoints.preload_from_files(model, {name: opts}, is_training_start=for_train)
+        if (bool(opts.get("init_for_train", False)) and training and start.first_train_epoch)
+        or (not opts.get("init_for_train", False) and not training)
+    }
+    missing: set[str] = set()
+    if state is not None:
+        tensors = {k for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        missing = tensors - set(state)
+        checkpoints.load_into_model(model, state, strict=not preload)
+    if preload:
+        missing -= set(checkpoints.preload_from_files(model, preload, is_training_start=training))
+    if missing:
+        raise CheckpointError(f"while loading {what}: missing key(s) in state_dict: "
+                              f"{', '.join(map(repr, sorted(missing)))} (no preload_from_files entry filled them)")
     hooks = config.typed_value("load_model_post_hooks")
     if hooks:
-        checkpoints.apply_load_model_post_hooks(model, list(hooks))
+        checkpoints.apply_load_model_post_hooks(model, hooks)
 
 
 # ---- training state ---------------------------------------------------------------------
@@ -196,6 +389,9 @@ def train_state(engine: Any) -> dict[str, Any]:
         "rng": get_rng_state(),
         "learning_rate": {"epoch": engine._epoch_lr, "step": engine._step_lr},
         "grads": None,
+        # a copy of the score table (the LR control's state) in case the file is lost; JSON text,
+        # so that no meta value (e.g. torch's TorchVersion) needs an unpickling allow-list
+        "scores": engine.scores.to_json() if engine.scores is not None else None,
     }
     if p.accum_count and engine.model is not None:  # an open accumulation window
         state["grads"] = {n: prm.grad.detach().cpu() for n, prm in engine.model.named_parameters()
@@ -206,6 +402,7 @@ def train_state(engine: Any) -> dict[str, Any]:
 
 
 def load_train_state(engine: Any, state: dict[str, Any]) -> None:
+    """Put a :func:`train_state` back: optimizer, scaler, LR, data position, open window, RNG."""
     p = engine.progress
     p.load_state_dict(state["progress"])
     if state.get("optimizer") is not None:
