@@ -345,8 +345,7 @@ class Session:
     def _break_here(self, result: StepResult) -> Any:
         ctx = self.engine.debugger.context("step", batch=self.engine.last_batch, step_losses=result.step_losses,
                                            rng=None)
-        if self.debug_hook is not None:
-            self.debug_hook(ctx)
+        self.engine.debugger.call_hook(ctx)  # RNG states put back afterwards: a hook never changes training
         self.last_failure = ctx
         self.status = "paused"
         return ctx

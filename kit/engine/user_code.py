@@ -32,6 +32,9 @@ def call_user(fn: Callable, key: str, **kwargs: Any) -> Any:
     return fn(**kwargs)
 
 
+_CALL_MACHINERY = frozenset({"_call_impl", "_wrapped_call_impl"})
+
+
 def module_call_stack(tb: types.TracebackType | None, model: torch.nn.Module | None) -> list[str]:
     """``(Module.method) path.to.module`` lines for the frames of ``model``'s modules in ``tb``.
 
@@ -45,7 +48,8 @@ def module_call_stack(tb: types.TracebackType | None, model: torch.nn.Module | N
     while tb is not None:
         frame = tb.tb_frame
         owner = frame.f_locals.get("self")
-        if owner is not None and id(owner) in names:
+        # torch's Module.__call__ machinery would repeat every module twice
+        if owner is not None and id(owner) in names and frame.f_code.co_name not in _CALL_MACHINERY:
             lines.append(f"({type(owner).__name__}.{frame.f_code.co_name}) {names[id(owner)]}")
         tb = tb.tb_next
     return lines
