@@ -99,7 +99,7 @@ class DebugContext:
             lines.append("losses: " + _format_losses(self.losses))
         if self.nonfinite:
             lines.append("non-finite: " + ", ".join(self.nonfinite))
-        if self.exception is not None:
+        if self.exception is not None and self.event != "nonfinite":  # that one only repeats the list above
             first_line = (str(self.exception).splitlines() or [""])[0]
             lines.append(f"exception: {type(self.exception).__name__}: {first_line}")
         if self.module_stack:
