@@ -616,3 +616,17 @@ def test_debug_shell_before_train_loop_is_replaced_by_debug_hook(tmp_path):
     path.write_text("import kit.debug\ndebug_hook = kit.debug.raise_\n")
     assert kit.Session.from_config(path).debug_hook is kit.debug.raise_
     assert kit.Session().debug_hook is kit.debug.capture  # the default
+
+
+def test_config_debug_hook_works_without_a_session():
+    """The CLI and torchrun drive the Engine directly: the config's debug_hook reaches them too."""
+    from kit.engine.engine import Engine
+
+    recorder = Recorder()
+    engine = Engine(kit.Config(config(get_model=lambda **_: BombModel(1), debug_hook=recorder)))
+    engine.train_step()
+    with pytest.raises(ValueError, match="planted failure"):
+        engine.train_step()
+    assert [c.event for c in recorder.calls] == ["before_train_loop", "exception"]
+    assert recorder.calls[-1].global_train_step == 1 and engine.last_failure is recorder.calls[-1]
+    assert Engine(kit.Config(config())).debugger is None  # no hook, no context building at all

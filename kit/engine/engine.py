@@ -88,6 +88,10 @@ class Engine:
         self.last_checkpoint: Any = None
         # a privileged subscriber (kit.debug.Debugger): called directly, so it may raise or stop
         self.debugger: Any = None
+        if config.typed_value("debug_hook") is not None:  # the CLI and torchrun too; a Session installs its own
+            from kit.debug import Debugger
+
+            self.debugger = Debugger(self, self, lambda: self.config.typed_value("debug_hook"))
         self._step_rng: Any = None
         self.last_batch: Any = None
 
