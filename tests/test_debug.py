@@ -322,6 +322,9 @@ def test_exception_in_eval_and_forward_reaches_the_hook():
     stages = [(c.event, c.stage, type(c.exception).__name__) for c in session.debug_hook.events()]
     assert stages == [("exception", "eval", "KeyError"), ("exception", "forward", "RuntimeError")]
     assert all(c.batch is not None and c.batch.seq_tags for c in session.debug_hook.calls)
+    for ctx in session.debug_hook.calls:  # both replay in their own stage, without gradients
+        report = session.replay(ctx)
+        assert report.reproduced and report.error.startswith(type(ctx.exception).__name__)
 
 
 def test_nonfinite_event_comes_before_the_error_with_policy_raise():
