@@ -105,6 +105,7 @@ class Session:
         self._break_when: Callable[[StepResult], bool] | None = None
         self._guard = InterruptGuard()
         self._rng: tuple | None = None  # this session's RNG world, swapped in around its work
+        self._defaults: tuple[torch.dtype, torch.device] | None = None  # its torch default dtype and device
         self._inspecting: str | None = None  # set by checkpoints.load(): weights are not the training state
         self._stashed_state: dict | None = None
         self._mid_step: str | None = None
@@ -124,17 +125,24 @@ class Session:
 
     @contextlib.contextmanager
     def _world(self) -> Iterator[None]:
-        """Swap this session's RNG states in, and the caller's back afterwards."""
+        """Swap this session's RNG states and torch defaults (dtype, device) in, the caller's back afterwards.
+
+        A session starts from the caller's state at its first use; from then on user code of
+        one session (``torch.set_default_dtype`` in ``get_model``, say) never reaches another.
+        """
         if self._closed:
             raise SessionStateError("this session is closed; create a new one")
-        outer = rng.snapshot()
+        outer, outer_defaults = rng.snapshot(), _torch_defaults()
         if self._rng is not None:
             rng.restore(self._rng)
+        if self._defaults is not None:
+            _set_torch_defaults(self._defaults, outer_defaults)
         try:
             yield
         finally:
-            self._rng = rng.snapshot()
+            self._rng, self._defaults = rng.snapshot(), _torch_defaults()
             rng.restore(outer)
+            _set_torch_defaults(outer_defaults, self._defaults)
 
     def _setup(self) -> None:
         with self._world():
@@ -673,6 +681,19 @@ class Session:
         from kit.widgets.summary import session_html
 
         return session_html(self)
+
+
+def _torch_defaults() -> tuple[torch.dtype, torch.device]:
+    return torch.get_default_dtype(), torch.get_default_device()
+
+
+def _set_torch_defaults(wanted: tuple[torch.dtype, torch.device], now: tuple[torch.dtype, torch.device]) -> None:
+    """Change only what differs: a default device is a global torch function mode (a cost on every op),
+    so "cpu" is set as no default device at all."""
+    if wanted[0] != now[0]:
+        torch.set_default_dtype(wanted[0])
+    if wanted[1] != now[1]:
+        torch.set_default_device(None if wanted[1] == torch.device("cpu") else wanted[1])
 
 
 def _holds(exc: BaseException | None, refs: set[int]) -> bool:

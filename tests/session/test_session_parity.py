@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 import torch
-from helpers.models import tiny_config
+from helpers.models import TinyModel, tiny_config
 from helpers.models import train_step as tiny_train_step
 from session_testlib import LossRecorder, state, states_equal
 
@@ -90,3 +90,30 @@ def test_negative_control_without_swapping_rng_states_the_sessions_interfere(mon
     got = interleaved()
     assert not all(states_equal(g[0], e[0]) for g, e in zip(got, expected))
     assert not all(torch.equal(g[1], e[1]) for g, e in zip(got, expected))
+
+
+def test_a_default_dtype_set_in_one_sessions_user_code_stays_in_that_session():
+    seen: dict[str, list] = {"a": [], "b": []}
+
+    def recording(name):
+        def train_step(**kwargs):
+            seen[name].append(torch.get_default_dtype())
+            tiny_train_step(**kwargs)
+
+        return train_step
+
+    def get_model(**_kwargs):
+        torch.set_default_dtype(torch.float64)  # user code changing a torch default
+        return TinyModel().float()
+
+    try:
+        a = kit.Session(**tiny_config(get_model=get_model, train_step=recording("a")))
+        b = kit.Session(**tiny_config(train_step=recording("b")))
+        a.train_step()
+        assert torch.get_default_dtype() == torch.float32
+        b.train_step()
+        a.train_step()
+        assert seen == {"a": [torch.float64, torch.float64], "b": [torch.float32]}
+        assert torch.get_default_dtype() == torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)
