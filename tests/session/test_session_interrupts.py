@@ -64,6 +64,29 @@ def test_sigint_pauses_at_the_boundary_and_continuing_equals_an_uninterrupted_ru
     assert torch.equal(rec.stacked(), reference["losses"].stacked())
 
 
+def test_a_pause_inside_a_gradient_accumulation_window_continues_equal():
+    def run(pause_at: int | None):
+        s = kit.Session(**tiny_config(num_epochs=1, accum_grad_multiple_step=3))
+        rec = LossRecorder()
+        s.on("step_end", rec)
+        if pause_at is not None:
+            s.on(
+                "step_end",
+                lambda result, **_: (
+                    result.global_train_step == pause_at and signal.raise_signal(signal.SIGINT)
+                ),
+            )
+        first = s.train()
+        if pause_at is not None:
+            assert first.paused and s.engine.progress.accum_count == (pause_at + 1) % 3 != 0
+            s.train()
+        return state(s.model), rec.stacked(), s.scores
+
+    plain, paused = run(None), run(7)
+    assert states_equal(paused[0], plain[0]) and torch.equal(paused[1], plain[1])
+    assert paused[2].loc[1, "train_loss_ce"] == plain[2].loc[1, "train_loss_ce"]
+
+
 def test_a_second_sigint_within_a_second_raises_and_the_session_asks_for_a_restore(tmp_path, reference):
     def kill() -> None:
         os.kill(os.getpid(), signal.SIGINT)
