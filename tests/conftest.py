@@ -7,9 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 # `from helpers.models import ...` works from every test folder (tests/ has no __init__.py).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Tiny models run fastest on one thread, and CI has two cores shared with subprocess tests.
+torch.set_num_threads(1)
 
 # Set at import time so that subprocesses started by tests (CLI, torchrun) inherit it.
 os.environ["KIT_TEST"] = "1"
