@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Tiny models run fastest on one thread, and CI has two cores shared with subprocess tests.
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # and in subprocesses (CLI, kernels)
 
 # Set at import time so that subprocesses started by tests (CLI, torchrun) inherit it.
 os.environ["KIT_TEST"] = "1"
