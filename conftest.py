@@ -6,9 +6,14 @@ Applies ``notebooks/nbval_sanitize.cfg`` to nbval when that file exists and no
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Test runs (tests and nbval kernels alike) use one thread per process: the models are tiny and
+# CI has two cores shared with subprocesses and kernels.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 SANITIZE_FILE = Path(__file__).resolve().parent / "notebooks" / "nbval_sanitize.cfg"
 
