@@ -9,6 +9,7 @@ whoever wants to know subscribes to ``engine.events``.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -177,7 +178,8 @@ class Engine:
         t0 = time.perf_counter()
         if self.events.has("step_begin"):
             self.events.emit("step_begin", epoch=p.epoch, step=p.step_in_epoch, batch=batch)
-        batch_dev = batch.to(self.device, non_blocking=True)
+        # the pipeline's batches are on the CPU: on a CPU device, .to() would only cost host time
+        batch_dev = batch if self.device.type == "cpu" else batch.to(self.device, non_blocking=True)
         self.last_batch = batch  # a reference only: debug contexts of "step" breaks read it
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
@@ -390,6 +392,11 @@ class Engine:
         }
         if self.device.type == "cuda":
             meta["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        else:  # the process's peak resident memory (Linux reports KiB, macOS bytes)
+            import resource
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            meta["peak_memory_bytes"] = peak if sys.platform == "darwin" else peak * 1024
         return meta
 
     def train_epoch(self, should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
