@@ -363,12 +363,13 @@ def init_weights(engine: Any, start: Start) -> None:
     if state is not None:
         tensors = {k for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
         missing = tensors - set(state)
-        checkpoints.load_into_model(model, state, strict=not preload)
+        checkpoints.load_into_model(model, state, strict=False)
     if preload:
         missing -= set(checkpoints.preload_from_files(model, preload, is_training_start=training))
     if missing:
         raise CheckpointError(f"while loading {what}: missing key(s) in state_dict: "
-                              f"{', '.join(map(repr, sorted(missing)))} (no preload_from_files entry filled them)")
+                              f"{', '.join(map(repr, sorted(missing)))}"
+                              + (" (preload_from_files did not fill them either)" if preload else ""))
     hooks = config.typed_value("load_model_post_hooks")
     if hooks:
         checkpoints.apply_load_model_post_hooks(model, hooks)

@@ -1,9 +1,10 @@
 """The training run of the resume and fault tests, in-process or as a subprocess to ``kill -9``.
 
-``python tests/helpers/training_script.py PREFIX ['{"key": value, ...}']`` trains
-:func:`config` (JSON overrides) to the end and prints ``step N`` (flushed) after each train
-step, so that a test can kill it at a chosen point; ``KIT_TEST_STEP_DELAY`` (seconds) slows
-each step down, ``KIT_TEST_SLOW_WRITE_SECS`` (see kit/fileio.py) each file write.
+``python tests/helpers/training_script.py PREFIX ['{"key": value, ...}']`` prints ``ready``
+once imported, waits for a line on stdin (so a test can start it early and hide the import
+time), trains :func:`config` (JSON overrides) to the end and prints ``step N`` (flushed)
+after each train step, so that a test can kill it at a chosen point. ``KIT_TEST_STEP_DELAY``
+(seconds) slows each step down, ``KIT_TEST_SLOW_WRITE_SECS`` (see kit/fileio.py) each file write.
 
 :func:`reference_run` is the uninterrupted run every resumed run is compared with.
 """
@@ -25,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: `helpers` importable
 
 import torch  # noqa: E402
-from helpers.models import tiny_config  # noqa: E402
+from helpers.models import TinyModel, tiny_config  # noqa: E402
 
 import kit  # noqa: E402
 from kit.engine.engine import Engine  # noqa: E402
@@ -119,10 +120,27 @@ def reference_run(root: str) -> RunResult:
     return train(Path(root) / "model")
 
 
+def _warm_up() -> None:
+    """What the first train step would pay for once (lazy imports, first autograd call), before ``ready``.
+
+    Global RNG draws here do not matter: the engine seeds (or restores) every RNG itself.
+    """
+    import kit.data.pipeline  # noqa: F401
+    import kit.engine.lr_control  # noqa: F401
+    import kit.engine.updater  # noqa: F401
+
+    model = TinyModel()
+    torch.optim.Adam(model.parameters()).zero_grad()
+    model(torch.zeros(1, 1, 9)).sum().backward()
+
+
 def main(argv: list[str]) -> int:
     prefix = argv[1]
     overrides = json.loads(argv[2]) if len(argv) > 2 else {}
     torch.set_num_threads(1)
+    _warm_up()
+    print("ready", flush=True)
+    sys.stdin.readline()
     train(prefix, step_delay=float(os.environ.get("KIT_TEST_STEP_DELAY", "0")), echo=True, **overrides)
     print("done", flush=True)
     return 0
