@@ -172,6 +172,23 @@ def test_killed_mid_epoch_resumes_from_step_checkpoint_inside_open_accumulation_
     assert_same_as(result, reference, rec1.losses[:5] + rec2.losses)
 
 
+def test_stopped_after_the_last_step_before_the_epoch_end_work_resumes_with_it(tmp_path, reference):
+    prefix = tmp_path / "model"
+    first, rec1 = start_engine(prefix, save_every_n_steps=STEPS_PER_EPOCH)
+    first.train(stop_after(STEPS_PER_EPOCH))  # epoch 1's data is used up; no eval, no epoch checkpoint yet
+    first.close()
+    ckpt = checkpoints.latest(str(prefix))
+    assert (ckpt.kind, ckpt.epoch, ckpt.global_train_step) == ("step", 1, STEPS_PER_EPOCH)
+    assert not os.path.exists(f"{prefix}.scores.json")
+
+    second, rec2 = start_engine(prefix, save_every_n_steps=STEPS_PER_EPOCH)
+    second.setup()
+    assert second.progress.accum_count == 1  # the partial window [18] is applied by the epoch end
+    result = train_rest(second, rec2)
+    assert rec2.losses[0][0] == STEPS_PER_EPOCH
+    assert_same_as(result, reference, rec1.losses + rec2.losses)
+
+
 @pytest.fixture
 def step5_run(tmp_path, reference):
     """A run that stopped after 7 steps of epoch 1; its newest checkpoint is the one of step 5."""

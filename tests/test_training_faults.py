@@ -171,6 +171,7 @@ def test_kill_at_random_instants_then_restart_ends_like_an_uninterrupted_run(tmp
     rng = random.Random(seed)
     prefix = str(tmp_path / "model")
     targets = sorted(rng.sample(range(1, NUM_STEPS - 2), 3))
+    print(f"random seed {seed}: kills after train steps {targets}")  # shown when the test fails
     ahead = scripts(len(targets), prefix, KIT_TEST_STEP_DELAY="0.01")
     resumed_at = 0
     for target in targets:

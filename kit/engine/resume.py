@@ -410,6 +410,9 @@ def load_train_state(engine: Any, state: dict[str, Any]) -> None:
         engine.updater.load_state_dict(state["optimizer"])
     if state.get("grad_scaler") is not None and engine.grad_scaler is not None:
         engine.grad_scaler.load_state_dict(state["grad_scaler"])
+        # GradScaler creates its scale tensor on the first scale() call; an open accumulation
+        # window may be unscaled (finished at the epoch end) before any step scales in this process
+        engine.grad_scaler.scale(torch.zeros((), device=engine.device))
     if state.get("lr_control") is not None and hasattr(engine.lr_control, "load_state_dict"):
         engine.lr_control.load_state_dict(state["lr_control"])
     lr = state.get("learning_rate") or {}
