@@ -423,3 +423,23 @@ def test_import_model_train_epoch1_starts_at_epoch_one_with_its_weights(tmp_path
         assert (session.epoch, session.global_train_step) == (1, 0)
         assert same_weights(session.model, weights_of(f"{reference.prefix}.002.pt"))
         assert not session.optimizer.state_dict()["state"]
+
+
+@pytest.mark.parametrize("command", ["eval", "forward"])
+def test_cli_eval_and_forward_use_load_epoch_weights(tmp_path, reference, command):
+    from kit.cli import main
+
+    prefix = copy_run(reference, tmp_path)
+    seen = tmp_path / "seen.pt"
+    config_file = tmp_path / "config.py"
+    config_file.write_text(
+        "import torch\n"
+        "from helpers.training_script import config\n"
+        f"globals().update(config({prefix!r}).as_dict())\n"
+        "def _record(*, model, **_):\n"
+        f"    torch.save(model.state_dict(), {str(seen)!r})\n"
+        "load_model_post_hooks = [_record]\n"
+    )
+    args = [command, str(config_file), "load_epoch=1"]
+    assert main(args + (["--output", str(tmp_path / "out.npz")] if command == "forward" else [])) == 0
+    assert all(torch.equal(v, weights_of(f"{prefix}.001.pt")[k]) for k, v in checkpoints.load(seen).items())
