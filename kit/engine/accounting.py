@@ -8,7 +8,6 @@ Python only when someone reads them (log interval, history, epoch end).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,14 +17,31 @@ def _acc_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-@dataclass
 class StepLosses:
-    """One step's losses: ``values[0]`` sums, ``values[1]`` inverse norm factors (device)."""
+    """One step's losses on the device: a sum and an inverse norm factor per name.
 
-    names: list[str]
-    values: torch.Tensor  # [2, num_losses] on the device
-    errors: frozenset[str] = frozenset()
-    _cache: dict[str, float] | None = field(default=None, repr=False)
+    ``values`` (``[2, num_losses]``: row 0 sums, row 1 norms, in the accumulation dtype)
+    is stacked on first use only: every torch op costs microseconds of host time per step,
+    and the epoch accounting adds the scalars as they are.
+    """
+
+    __slots__ = ("names", "sums", "norms", "errors", "_values", "_cache")
+
+    def __init__(self, names: list[str], sums: list[torch.Tensor], norms: list[torch.Tensor],
+                 errors: frozenset[str] = frozenset()):
+        self.names, self.sums, self.norms, self.errors = names, sums, norms, errors
+        self._values: torch.Tensor | None = None
+        self._cache: dict[str, float] | None = None
+
+    @property
+    def values(self) -> torch.Tensor:
+        if self._values is None:
+            if not self.names:
+                self._values = torch.zeros(2, 0)
+            else:
+                dtype = _acc_dtype(self.sums[0].device)
+                self._values = torch.stack([t.to(dtype) for t in (*self.sums, *self.norms)]).view(2, -1)
+        return self._values
 
     def normalized(self) -> dict[str, float]:
         """sum / norm per loss name (one device→host read, cached)."""
@@ -34,40 +50,73 @@ class StepLosses:
             self._cache = {n: float(host[0, i] / host[1, i]) for i, n in enumerate(self.names)}
         return dict(self._cache)
 
+    def __repr__(self) -> str:
+        return f"StepLosses({self.names}, errors={sorted(self.errors)})"
+
 
 def stack_losses(losses: Mapping[str, Any]) -> StepLosses:
-    """Stack the run context's losses (``Loss`` objects) into one device tensor."""
+    """The run context's losses (``Loss`` objects) as detached device scalars — no torch op but detach."""
     names = list(losses)
     if not names:
-        return StepLosses([], torch.zeros(2, 0))
-    sums, norms, device = [], [], None
-    for loss in losses.values():
-        s = loss.sum.detach()
-        device = s.device
-        sums.append(s.to(_acc_dtype(device)).reshape(()))
+        return StepLosses([], [], [])
+    sums = [_scalar(loss.sum) for loss in losses.values()]
+    device = sums[0].device
+    norms = []
     for loss in losses.values():
         n = loss.inv_norm_factor
-        n = n.detach() if isinstance(n, torch.Tensor) else torch.tensor(float(n))
-        norms.append(n.to(device=device, dtype=_acc_dtype(device)).reshape(()))
+        n = _scalar(n) if isinstance(n, torch.Tensor) else torch.tensor(float(n), dtype=torch.float64)
+        norms.append(n if n.device == device else n.to(device))
     errors = frozenset(n for n, loss in losses.items() if loss.as_error)
-    return StepLosses(names, torch.stack([torch.stack(sums), torch.stack(norms)]), errors)
+    return StepLosses(names, sums, norms, errors)
+
+
+def _scalar(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t if t.dim() == 0 else t.reshape(())
 
 
 class EpochAccounting:
     """Σ sums and Σ norms per loss name over an epoch (or an eval pass), on the device."""
 
     def __init__(self) -> None:
-        self.totals: dict[str, torch.Tensor] = {}  # name -> [2] (sum, norm)
+        self._totals: dict[str, torch.Tensor] = {}  # name -> [2] (sum, norm)
+        # steps that mark the same losses (the usual case) add their scalars in place into
+        # running accumulators: two small ops per loss and step, like a hand-written loop
+        self._run_names: list[str] | None = None
+        self._run: list[torch.Tensor] = []  # sums, then norms
         self.errors: set[str] = set()
         self.num_steps = 0
 
     def add(self, step: StepLosses) -> None:
-        for i, name in enumerate(step.names):
-            pair = step.values[:, i]
-            prev = self.totals.get(name)
-            self.totals[name] = pair.clone() if prev is None else prev + pair
-        self.errors |= step.errors
+        if step.names != self._run_names:
+            self._flush()
+            self._run_names = list(step.names)
+            if step.names:
+                dtype = _acc_dtype(step.sums[0].device)
+                self._run = [torch.zeros((), dtype=dtype, device=t.device) for t in (*step.sums, *step.norms)]
+        for acc, t in zip(self._run, (*step.sums, *step.norms)):
+            acc.add_(t)
+        if step.errors:
+            self.errors |= step.errors
         self.num_steps += 1
+
+    @property
+    def totals(self) -> dict[str, torch.Tensor]:
+        """Name → ``[Σ sum, Σ norm]`` (device tensors)."""
+        self._flush()
+        return self._totals
+
+    @totals.setter
+    def totals(self, value: dict[str, torch.Tensor]) -> None:
+        self._run_names, self._run, self._totals = None, [], value
+
+    def _flush(self) -> None:
+        if self._run_names:
+            n = len(self._run_names)
+            for i, name in enumerate(self._run_names):
+                pair, prev = torch.stack([self._run[i], self._run[n + i]]), self._totals.get(name)
+                self._totals[name] = pair if prev is None else prev + pair
+        self._run_names, self._run = None, []
 
     def scores(self, prefix: str) -> dict[str, float]:
         """``{prefix + name: Σ sum / Σ norm}`` — frame-weighted, RETURNN's epoch score."""

@@ -275,6 +275,8 @@ class Updater:
         Returns the total gradient norm *before* norm clipping as a device tensor when norm clipping
         is configured or ``need_grad_norm`` is True, else None. Never synchronizes.
         """
+        if not (self._grad_clip or self._grad_clip_norm or need_grad_norm):
+            return None  # nothing to do: skip collecting the gradients (host time every step)
         params = self._grads()
         if self._grad_clip:
             torch.nn.utils.clip_grad_value_(params, self._grad_clip)
