@@ -1,0 +1,202 @@
+"""Framework overhead per train step: the kit Engine vs a hand-written PyTorch loop.
+
+Run: ``python benchmarks/overhead.py [--rounds N] [--only mlp|lstm] [--threads T] [--wall] [--profile]``.
+
+By default torch runs single-threaded and runs are timed in process CPU time, which
+other load on a shared machine disturbs far less than wall time; ``--wall`` times wall
+clock instead.
+
+Both sides get the same model (same initial weights), the same batches (one precomputed
+list of ``kit.Batch`` from ``kit.data.batches``; data loading is benchmarks/pipeline.py's
+business) and the same optimizer (Adam). Both compute the masked frame CE sum and its
+frame count and keep epoch totals on the device — the hand loop never calls ``.item()``
+either. Runs are interleaved (hand, kit, kit+guard, hand, ...); the median of the
+per-round ratios is printed.
+
+* kit: ``stop_on_nonfinite_train_score=False`` — the same work as the hand loop.
+* kit+guard: the default non-finite guard (gradient norm, one host read per step), work
+  the hand loop does not do at all.
+
+(a) a tiny per-frame MLP, where framework overhead dominates (target ≤ 1.10);
+(b) an LSTM on padded 12AX sequences (target ≤ 1.02).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import kit
+from kit.data import Task12AXDataset, batches
+from kit.engine.engine import Engine
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.inp = torch.nn.Linear(9, hidden)
+        self.out = torch.nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inp(x)))
+
+
+class LSTM(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(9, hidden, batch_first=True)
+        self.out = torch.nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lstm(x)[0])
+
+
+@dataclass
+class Case:
+    name: str
+    make_model: Callable[[], torch.nn.Module]
+    num_seqs: int
+    batch_size: int
+    max_seqs: int
+    steps: int  # per timed run
+    target: float
+
+
+CASES = {
+    "mlp": Case("(a) tiny MLP, 9-16-2 per frame", lambda: MLP(16), 200, 400, 8, 100, 1.10),
+    "lstm": Case("(b) LSTM 9-256-2 on padded seqs", lambda: LSTM(256), 200, 2000, 20, 10, 1.02),
+}
+
+
+def ce_and_mask(model: torch.nn.Module, batch: kit.Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    classes = batch["classes"]
+    logits = model(batch["data"].tensor)
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), classes.tensor, reduction="none")
+    return ce, classes.mask()
+
+
+def kit_train_step(*, model, extern_data, **_kwargs):
+    ce, mask = ce_and_mask(model, extern_data)
+    kit.get_run_ctx().mark_as_loss(ce, "ce", mask=mask)  # sum over real frames; norm = their count
+
+
+class HandLoop:
+    """What one writes by hand: zero_grad, forward, masked CE sum, backward, step, device totals."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.frames = torch.zeros((), dtype=torch.int64)
+
+    def run(self, batch_list: list[kit.Batch]) -> None:
+        model, opt = self.model, self.opt
+        for batch in batch_list:
+            opt.zero_grad(set_to_none=True)
+            ce, mask = ce_and_mask(model, batch)
+            loss_sum = torch.where(mask, ce, 0).sum()
+            loss_sum.backward()
+            opt.step()
+            self.loss_sum += loss_sum.detach()
+            self.frames += mask.sum()
+
+
+class KitLoop:
+    """``Engine.train_step()`` over the same batches (fed in place of the engine's own pipeline)."""
+
+    def __init__(self, model: torch.nn.Module, case: Case, dataset: Task12AXDataset, guard: bool):
+        config = kit.Config(
+            get_model=lambda **_: model,
+            train_step=kit_train_step,
+            train=dataset,
+            extern_data=dataset.extern_data,
+            batch_size=case.batch_size,
+            max_seqs=case.max_seqs,
+            optimizer={"class": "adam"},
+            learning_rate=1e-3,
+            stop_on_nonfinite_train_score=guard,
+            log_every_n_steps=10**9,
+            device="cpu",
+        )
+        self.engine = Engine(config)
+        self.engine.train_step()  # set-up and the epoch's plan happen here, outside the timing
+
+    def run(self, batch_list: list[kit.Batch]) -> None:
+        engine = self.engine
+        engine.train_pipeline = iter(batch_list)
+        for _ in batch_list:
+            engine.train_step()
+
+
+CLOCK = time.process_time
+
+
+def timed(fn: Callable[[], None]) -> float:
+    t = CLOCK()
+    fn()
+    return CLOCK() - t
+
+
+def bench(case: Case, rounds: int, profile: bool) -> dict[str, float]:
+    dataset = Task12AXDataset(case.num_seqs, seed=1)
+    pipe = batches(dataset, extern_data=dataset.extern_data, batch_size=case.batch_size, max_seqs=case.max_seqs)
+    all_batches = list(pipe)
+    batch_list = (all_batches * (case.steps // len(all_batches) + 1))[: case.steps]
+    torch.manual_seed(0)
+    base = case.make_model()
+    loops = {
+        "hand": HandLoop(copy.deepcopy(base)),
+        "kit": KitLoop(copy.deepcopy(base), case, dataset, guard=False),
+        "kit+guard": KitLoop(copy.deepcopy(base), case, dataset, guard=True),
+    }
+    for loop in loops.values():  # warm-up: allocator, Adam state, first-call paths
+        loop.run(batch_list[:3])
+    times: dict[str, list[float]] = {k: [] for k in loops}
+    for _ in range(rounds):
+        for name, loop in loops.items():
+            times[name].append(timed(lambda loop=loop: loop.run(batch_list)))
+    ratios = {k: statistics.median(t / h for t, h in zip(times[k], times["hand"])) for k in ("kit", "kit+guard")}
+    per_step = {k: statistics.median(v) / case.steps * 1e6 for k, v in times.items()}
+    frames = sum(b["classes"].num_frames() for b in batch_list) / len(batch_list)
+    print(f"\n{case.name}: {len(batch_list)} steps per run, {frames:.0f} frames/step, {rounds} rounds")
+    print(f"  {'loop':<10} {'µs/step':>9} {'ratio':>7}  target")
+    print(f"  {'hand':<10} {per_step['hand']:9.0f} {1.0:7.3f}")
+    for k in ("kit", "kit+guard"):
+        mark = "ok" if ratios[k] <= case.target else "MISSED"
+        target = f"≤ {case.target:.2f} {mark}" if k == "kit" else "(extra work: grad norm + 1 read)"
+        print(f"  {k:<10} {per_step[k]:9.0f} {ratios[k]:7.3f}  {target}")
+    if profile:
+        prof = cProfile.Profile()
+        prof.runcall(loops["kit"].run, batch_list)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    return ratios
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--only", choices=sorted(CASES))
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    ap.add_argument("--wall", action="store_true", help="time wall clock instead of process CPU time")
+    ap.add_argument("--profile", action="store_true", help="cProfile one kit run per case")
+    args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.perf_counter if args.wall else time.process_time
+    torch.set_num_threads(args.threads)
+    clock = "wall clock" if args.wall else "process CPU time"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU, {clock}; medians of interleaved runs")
+    for key, case in CASES.items():
+        if args.only in (None, key):
+            bench(case, args.rounds, args.profile)
+
+
+if __name__ == "__main__":
+    main()
