@@ -179,6 +179,8 @@ class Config(Mapping[str, Any]):
 
     @staticmethod
     def _convert(key: str, value: Any, type_: type) -> Any:
+        if type(value) is type_:  # the common case, read every train step: no conversion, no message
+            return value
         expected = "an int" if type_ is int else f"a {type_.__name__}"
         if isinstance(value, bool):
             raise ConfigError(f"config key '{key}': got {value!r}, expected {expected}")

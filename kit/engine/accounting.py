@@ -71,7 +71,8 @@ def stack_losses(losses: Mapping[str, Any]) -> StepLosses:
 
 
 def _scalar(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     return t if t.dim() == 0 else t.reshape(())
 
 

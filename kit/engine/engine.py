@@ -187,7 +187,8 @@ class Engine:
         lr = self._set_step_learning_rate(batch)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
-        self._step_rng = _torch_rng_state()  # for replaying this step when it fails (a few µs)
+        # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
+        self._step_rng = _torch_rng_state() if self.debugger is not None else None
         self._run_user_step(self.config.typed_value("train_step"), ctx, batch_dev, stage="train")
         total = self._total_loss(ctx)
         # backward: scaled for float16; gradients of micro-batches are summed

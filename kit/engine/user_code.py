@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +28,20 @@ def check_accepts_kwargs(fn: Callable, key: str) -> None:
         )
 
 
+_ACCEPTS_KWARGS: weakref.WeakSet = weakref.WeakSet()  # checked once: inspect.signature costs ~10 µs
+
+
 def call_user(fn: Callable, key: str, **kwargs: Any) -> Any:
-    check_accepts_kwargs(fn, key)
+    try:
+        checked = fn in _ACCEPTS_KWARGS
+    except TypeError:  # not weak-referenceable: check every call
+        checked = False
+    if not checked:
+        check_accepts_kwargs(fn, key)
+        try:
+            _ACCEPTS_KWARGS.add(fn)
+        except TypeError:
+            pass
     return fn(**kwargs)
 
 
