@@ -147,7 +147,9 @@ def timed(fn: Callable[[], None]) -> float:
 
 def bench(case: Case, rounds: int, profile: bool) -> dict[str, float]:
     dataset = Task12AXDataset(case.num_seqs, seed=1)
-    pipe = batches(dataset, extern_data=dataset.extern_data, batch_size=case.batch_size, max_seqs=case.max_seqs)
+    pipe = batches(
+        dataset, extern_data=dataset.extern_data, batch_size=case.batch_size, max_seqs=case.max_seqs
+    )
     all_batches = list(pipe)
     batch_list = (all_batches * (case.steps // len(all_batches) + 1))[: case.steps]
     torch.manual_seed(0)
@@ -163,16 +165,23 @@ def bench(case: Case, rounds: int, profile: bool) -> dict[str, float]:
     for _ in range(rounds):
         for name, loop in loops.items():
             times[name].append(timed(lambda loop=loop: loop.run(batch_list)))
-    ratios = {k: statistics.median(t / h for t, h in zip(times[k], times["hand"])) for k in ("kit", "kit+guard")}
+    ratios = {
+        k: statistics.median(t / h for t, h in zip(times[k], times["hand"])) for k in ("kit", "kit+guard")
+    }
     per_step = {k: statistics.median(v) / case.steps * 1e6 for k, v in times.items()}
+    best = {k: min(v) / case.steps * 1e6 for k, v in times.items()}
     frames = sum(b["classes"].num_frames() for b in batch_list) / len(batch_list)
     print(f"\n{case.name}: {len(batch_list)} steps per run, {frames:.0f} frames/step, {rounds} rounds")
-    print(f"  {'loop':<10} {'µs/step':>9} {'ratio':>7}  target")
-    print(f"  {'hand':<10} {per_step['hand']:9.0f} {1.0:7.3f}")
+    print(
+        f"  {'loop':<10} {'µs/step':>9} {'ratio':>7} {'best µs':>9} {'ratio':>7}  target (on the median ratio)"
+    )
+    print(f"  {'hand':<10} {per_step['hand']:9.0f} {1.0:7.3f} {best['hand']:9.0f} {1.0:7.3f}")
     for k in ("kit", "kit+guard"):
         mark = "ok" if ratios[k] <= case.target else "MISSED"
         target = f"≤ {case.target:.2f} {mark}" if k == "kit" else "(extra work: grad norm + 1 read)"
-        print(f"  {k:<10} {per_step[k]:9.0f} {ratios[k]:7.3f}  {target}")
+        print(
+            f"  {k:<10} {per_step[k]:9.0f} {ratios[k]:7.3f} {best[k]:9.0f} {best[k] / best['hand']:7.3f}  {target}"
+        )
     if profile:
         prof = cProfile.Profile()
         prof.runcall(loops["kit"].run, batch_list)
@@ -182,7 +191,7 @@ def bench(case: Case, rounds: int, profile: bool) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=31)
     ap.add_argument("--only", choices=sorted(CASES))
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--wall", action="store_true", help="time wall clock instead of process CPU time")
@@ -192,7 +201,9 @@ def main() -> None:
     CLOCK = time.perf_counter if args.wall else time.process_time
     torch.set_num_threads(args.threads)
     clock = "wall clock" if args.wall else "process CPU time"
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU, {clock}; medians of interleaved runs")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU, {clock}; medians of interleaved runs"
+    )
     for key, case in CASES.items():
         if args.only in (None, key):
             bench(case, args.rounds, args.profile)
