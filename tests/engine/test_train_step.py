@@ -116,6 +116,32 @@ def test_custom_inv_norm_factor_weights_the_epoch_score():
     assert row["train_loss_ce_seq"] == pytest.approx(total / 120, rel=1e-6)
 
 
+def test_epoch_scores_when_the_marked_losses_change_between_steps():
+    # "odd" is marked on odd steps only, and in a different order: each name sums its own steps
+    def train_step(*, model, extern_data, **_kwargs):
+        s, n = masked_ce(model, extern_data)
+        ctx = kit.get_run_ctx()
+        if ctx.step % 2:
+            ctx.mark_as_loss(s * 2, "odd", custom_inv_norm_factor=n)
+        ctx.mark_as_loss(s, "ce", custom_inv_norm_factor=n)
+
+    engine = make_engine(learning_rate=0.0, train_step=train_step, dev=None)
+    engine.setup()
+    model0 = copy.deepcopy(engine.model)
+    for _ in range(5):
+        engine.train_step()
+    engine.accounting.state_dict()  # a mid-epoch read (step checkpoint) in between
+    row = engine.train_epoch()
+    with torch.no_grad():
+        per_step = [masked_ce(model0, b) for b in train_batches()]
+    ce = sum(float(s) for s, _ in per_step) / sum(int(n) for _, n in per_step)
+    odd = per_step[1::2]
+    odd_value = sum(2 * float(s) for s, _ in odd) / sum(int(n) for _, n in odd)
+    assert row["train_loss_ce"] == pytest.approx(ce, rel=1e-6)
+    assert row["train_loss_odd"] == pytest.approx(odd_value, rel=1e-6)
+    assert engine.scores.meta(1)["epoch_num_train_steps"] == len(per_step)
+
+
 # ---- gradients: scale, as_error, use_normalized_loss --------------------------------------
 
 
