@@ -1,0 +1,127 @@
+"""Cost of watching: the same training with and without the live dashboard attached.
+
+Run: ``python benchmarks/dashboard.py [--rounds N] [--chunk S] [--threads T]``. Two identical
+sessions of the 12AX example (LSTM) train in turns, ``--chunk`` steps each per round, the order
+alternating per round: one plain, one with ``Dashboard(session, mode="widget")`` attached — the
+real widget model, built without a frontend (ipywidgets works without a kernel; its messages go
+nowhere). Fine-grained turns make both see the same load on a shared machine. The dashboard's
+clock runs only while its own session trains, so it throttles as it would alone. Printed: the
+median per-round ratio (watched / plain) and the ratio of the totals. Target: <= 1.03.
+
+Not counted: the warm-up steps before the clock starts, which include the dashboard's one-time
+cost (matplotlib import, figure, first frame; printed); and, outside a kernel, the sending of widget
+messages (tens of microseconds per redraw, at most two redraws per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import kit
+from kit.widgets import Dashboard
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "12ax.py")
+
+
+class OwnClock:
+    """Wall time that advances only between ``start()`` and ``stop()``."""
+
+    def __init__(self) -> None:
+        self.total, self.since = 0.0, None
+
+    def start(self) -> None:
+        self.since = time.perf_counter()
+
+    def stop(self) -> None:
+        self.total += time.perf_counter() - self.since
+        self.since = None
+
+    def __call__(self) -> float:
+        return self.total + (time.perf_counter() - self.since if self.since is not None else 0.0)
+
+
+def make_session(num_steps: int) -> kit.Session:
+    return kit.Session.from_config(
+        EXAMPLE,
+        model=None,
+        num_epochs=100,
+        log_every_n_steps=10**9,
+        cleanup_old_models=None,
+        train={
+            "class": "Task12AXDataset",
+            "num_seqs": 10 * num_steps + 10,  # <= 10 seqs per batch: the epoch does not end meanwhile
+            "seed": 1,
+            "seq_ordering": "laplace:.10",
+        },
+    )
+
+
+def timed(session: kit.Session, steps: int, clock: OwnClock | None = None) -> float:
+    if clock is not None:
+        clock.start()
+    t = time.perf_counter()
+    session.train_steps(steps)
+    elapsed = time.perf_counter() - t
+    if clock is not None:
+        clock.stop()
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--chunk", type=int, default=50, help="steps per session and round")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: steadier timings on shared CPUs)"
+    )
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.pop("KIT_TEST", None)
+    print(
+        f"12AX LSTM example: {args.rounds} rounds x {args.chunk} steps per session, alternating order; "
+        f"torch {torch.__version__} ({args.threads} thread(s)), python {sys.version.split()[0]}"
+    )
+    n = args.rounds * args.chunk + args.warmup
+    plain, watched = make_session(n), make_session(n)
+    clock = OwnClock()
+    t = time.perf_counter()
+    dash = Dashboard(watched, mode="widget")
+    dash.clock = clock
+    timed(watched, args.warmup, clock)
+    print(
+        f"dashboard warm-up (with {args.warmup} steps, matplotlib import, first frame): "
+        f"{time.perf_counter() - t:.2f}s"
+    )
+    timed(plain, args.warmup)
+    times: dict[str, list[float]] = {"plain": [], "watched": []}
+    for r in range(args.rounds):
+        order = ("plain", "watched") if r % 2 == 0 else ("watched", "plain")
+        for name in order:
+            if name == "plain":
+                times[name].append(timed(plain, args.chunk))
+            else:
+                times[name].append(timed(watched, args.chunk, clock))
+    ratios = [w / p for w, p in zip(times["watched"], times["plain"])]
+    total_p, total_w = sum(times["plain"]), sum(times["watched"])
+    steps = args.rounds * args.chunk
+    print(f"plain:   {total_p:.2f}s for {steps} steps ({1000 * total_p / steps:.2f} ms/step)")
+    print(
+        f"watched: {total_w:.2f}s ({dash.num_refreshes} text redraws, {dash.num_plots} pictures, "
+        f"{dash.timeline.num_steps} steps seen)"
+    )
+    q = statistics.quantiles(ratios, n=4)
+    print(
+        f"per-round ratio watched/plain: median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}, {q[2]:.3f})"
+    )
+    print(f"ratio of totals {total_w / total_p:.3f}  (target <= 1.03)")
+
+
+if __name__ == "__main__":
+    main()
