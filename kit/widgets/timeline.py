@@ -2,7 +2,7 @@
 
 Filled from Session events. A step's losses stay on the device until :meth:`Timeline.flush`
 (called at redraw time) copies all pending steps to the host in one transfer, so watching
-a run adds no per-step device sync. Beyond ``max_points`` steps every other point is
+a run adds no per-step device sync — one per redraw, at most twice a second. Beyond ``max_points`` steps every other point is
 dropped (the curve keeps its shape, memory stays bounded).
 """
 
@@ -62,7 +62,9 @@ class Timeline:
     def add_memory(self, global_step: int, memory: dict[str, int]) -> None:
         self.memory_steps.append(global_step)
         for key, value in memory.items():
-            self.memory.setdefault(key, [math.nan] * (len(self.memory_steps) - 1)).append(value)
+            if key not in self.memory:
+                self.memory[key] = [math.nan] * (len(self.memory_steps) - 1)
+            self.memory[key].append(value)
         for values in self.memory.values():
             if len(values) < len(self.memory_steps):
                 values.append(math.nan)
@@ -113,12 +115,13 @@ class Timeline:
         n = len(self.steps)
         self.steps.append(result.global_train_step)
         self.learning_rates.append(float(result.learning_rate))
-        for name in losses.keys() | self.losses.keys():
-            raw = self.losses.setdefault(name, [math.nan] * n)
-            smooth = self.smoothed.setdefault(name, [math.nan] * n)
+        for name in losses:
+            if name not in self.losses:  # a loss first marked now: no value before
+                self.losses[name], self.smoothed[name] = [math.nan] * n, [math.nan] * n
+        for name, raw in self.losses.items():
             value = losses.get(name, math.nan)
             raw.append(value)
-            smooth.append(self._smooth(name, value))
+            self.smoothed[name].append(self._smooth(name, value))
         if memory:
             self.add_memory(result.global_train_step, memory)
 
@@ -177,18 +180,29 @@ def memory_now(device: torch.device | None, *, reset_peak: bool = False) -> dict
 
 
 def _read_losses(step_losses: list[Any]) -> list[dict[str, float]]:
-    """Normalized losses of many steps, with one device→host copy per (names, device) group."""
+    """Normalized losses of many steps, with one stack and one device→host copy per loss set."""
     out: list[dict[str, float]] = [{} for _ in step_losses]
     groups: dict[tuple, list[int]] = {}
     for i, losses in enumerate(step_losses):
         if losses is not None and losses.names:
-            groups.setdefault((tuple(losses.names), losses.values.device), []).append(i)
+            groups.setdefault((tuple(losses.names), _device_of(losses)), []).append(i)
     for (names, _device), idx in groups.items():
-        host = torch.stack([step_losses[i].values.detach() for i in idx]).to("cpu", torch.float64)
+        k = len(names)
+        if all(hasattr(step_losses[i], "sums") for i in idx):
+            # the steps' scalars as they are: one stack for all (dtypes promote), not one per step
+            scalars = [t for i in idx for t in (*step_losses[i].sums, *step_losses[i].norms)]
+            host = torch.stack([t.detach() for t in scalars]).to("cpu", torch.float64).view(len(idx), 2, k)
+        else:
+            host = torch.stack([step_losses[i].values.detach() for i in idx]).to("cpu", torch.float64)
         ratios = (host[:, 0, :] / host[:, 1, :]).tolist()
         for row, i in zip(ratios, idx):
             out[i] = dict(zip(names, row))
     return out
+
+
+def _device_of(losses: Any) -> torch.device:
+    sums = getattr(losses, "sums", None)
+    return sums[0].device if sums else losses.values.device
 
 
 def _is_number(value: Any) -> bool:

@@ -332,3 +332,37 @@ def test_last_frame_is_drawn_when_the_training_cell_ends() -> None:
     finally:
         InteractiveShell.clear_instance()
         sys.displayhook, sys.excepthook = saved
+
+
+def test_cuda_memory_per_step_with_peak_reset(monkeypatch) -> None:
+    """On CUDA: allocated / reserved / peak per step from host-side counters, peak window reset each step."""
+    counters = {"allocated": 0, "peak": 0, "resets": 0}
+
+    def allocated(device=None):
+        counters["allocated"] += 2**20
+        counters["peak"] = max(counters["peak"], counters["allocated"] + 5 * 2**20)
+        return counters["allocated"]
+
+    def reset(device=None):
+        counters["resets"] += 1
+        counters["peak"] = 0
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 64 * 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: counters["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    session = kit.Session(tiny_config())
+    dash = Dashboard(session, mode="widget")
+    dash._device = torch.device("cuda", 0)  # as taken from the first step's loss tensors on a GPU
+    for g in range(4):
+        session.events.emit("step_end", result=fake_step(g))
+    dash.refresh()
+    assert counters["resets"] == 4
+    assert set(dash.timeline.memory) == {"memory_allocated", "memory_reserved", "memory_peak"}
+    assert dash.timeline.memory_steps == [0, 1, 2, 3] and dash.timeline.memory["memory_peak"][-1] == 9 * 2**20
+    text = dash.memory_line.value
+    assert (
+        text.startswith("GPU memory: allocated 4.0 MiB")
+        and "reserved 64.0 MiB" in text
+        and "step peak 9.0 MiB" in text
+    )
