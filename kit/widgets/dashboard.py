@@ -149,9 +149,15 @@ class Dashboard:
         self._prefill()
         self._cell_hook: Any = None
         if mode == "widget":
-            self._build_widget()
-            self._watch_cells()
-        elif mode == "terminal":
+            try:
+                self._build_widget()
+                self._watch_cells()
+            except ImportError as exc:  # kit installed without the notebook extra
+                logger.warning(
+                    "dashboard: %s; showing a text progress bar instead (pip install ipywidgets)", exc
+                )
+                self.mode = mode = "terminal"
+        if mode == "terminal":
             from kit.widgets.terminal import TerminalView
 
             self._terminal = TerminalView()

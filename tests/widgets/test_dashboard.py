@@ -366,3 +366,12 @@ def test_cuda_memory_per_step_with_peak_reset(monkeypatch) -> None:
         and "reserved 64.0 MiB" in text
         and "step peak 9.0 MiB" in text
     )
+
+
+def test_without_ipywidgets_a_text_bar_instead(monkeypatch, caplog) -> None:
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)  # import ipywidgets -> ImportError
+    with caplog.at_level(logging.WARNING, logger="kit"):
+        dash = Dashboard(kit.Session(tiny_config()), mode="widget")
+    assert dash.mode == "terminal" and dash.widget is None
+    assert "pip install ipywidgets" in caplog.text
+    assert set(dash._repr_mimebundle_()) == {"text/plain"}
