@@ -228,6 +228,7 @@ def _run_notebook_and_check(page, base: str, token: str) -> None:
 
     # Pause while `await session.train_async()` runs: that cell returns Paused, the next continues
     assert "running" in status.inner_text(), "training ended before Pause could be clicked"
+    dashboard.scroll_into_view_if_needed()
     page.screenshot(path=str(ARTIFACTS / "dashboard-running.png"), full_page=True)
     pause = dashboard.locator(".kit-dashboard-pause")
     assert pause.is_enabled(), page.evaluate("window.__kitSeen")
@@ -269,5 +270,6 @@ def _run_notebook_and_check(page, base: str, token: str) -> None:
     # when training has ended, the last frame stays: all steps drawn, status "ready"
     page.locator(".kit-dashboard.kit-dashboard-final").first.wait_for(timeout=30_000)
     final = page.evaluate(IMAGE_DIGEST)
+    dashboard.scroll_into_view_if_needed()  # for the screenshot taken at the end
     assert final["size"] > 1000 and final["sha"] != first["sha"]
     assert "status: ready" in status.inner_text()
