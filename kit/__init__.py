@@ -34,6 +34,8 @@ _LAZY = {
     "StepResult": "kit.engine.engine",
     "ForwardResult": "kit.engine.forward",
     "Session": "kit.session",
+    "Paused": "kit.session_loop",
+    "DebugContext": "kit.debug",
 }
 _SUBMODULES = {"data", "engine", "checkpoints", "scores", "run_ctx", "debug", "widgets", "events",
                "distributed", "cli", "config", "rng", "fileio"}

@@ -16,57 +16,29 @@ import contextlib
 import gc
 import logging
 import os
-import sys
 import threading
-import time
-from collections.abc import Callable, Generator, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from kit import rng
+from kit._ipython_refs import drop_stored_references
 from kit.config import Config
 from kit.engine.engine import Engine, StepResult
 from kit.errors import ConfigError, KitError, SessionStateError
 from kit.events import Events
 from kit.history import History
 from kit.interrupts import InterruptGuard
+from kit.session_debug import Debugging
+from kit.session_loop import Paused, TrainingLoop
+
+__all__ = ["Paused", "Session"]
 
 logger = logging.getLogger("kit")
 
 
-@dataclass
-class Paused:
-    """Returned by a ``train_*`` call that stopped at a step boundary (interrupt or Pause)."""
-
-    epoch: int
-    step: int
-    reason: str
-    paused: bool = True
-
-    def __str__(self) -> str:
-        return (f"paused at epoch {self.epoch}, step {self.step} ({self.reason}) — "
-                f"call train_epoch() or train() to continue")
-
-    __repr__ = __str__
-
-
-_PAUSED = object()
-
-
-def _advance(gen: Generator, deadline: float | None) -> tuple[bool, Any]:
-    """Drive ``gen`` until it returns (→ (True, value)) or ``deadline`` passes (→ (False, None))."""
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return True, stop.value
-        if deadline is not None and time.monotonic() >= deadline:
-            return False, None
-
-
-class Session:
+class Session(TrainingLoop, Debugging):
     """Drive the engine step by step from a notebook.
 
     ``Session(**config_keys)``, ``Session(config)`` and ``Session(config=config)`` are the
@@ -198,284 +170,6 @@ class Session:
         with self._world():
             self.engine._ensure_training_parts()
             self._history.device = self.engine.device
-
-    # ---- training ---------------------------------------------------------------------
-    #
-    # Every train_* call is a generator of "units" (one train step, or one epoch end)
-    # driven to its goal: all at once (train_*), in time slices with an await between
-    # them (train_*_async), or in a thread (train_in_background). The loop is the same.
-
-    def train_step(self) -> StepResult | Paused | None:
-        """One step of the current epoch (rolling into the next epoch when this one is done)."""
-        return self._run(lambda: self._units("steps", 1))
-
-    def train_steps(self, n: int) -> StepResult | Paused | None:
-        """``n`` more steps, continuing where the last call stopped; returns the last StepResult."""
-        return self._run(lambda: self._units("steps", self._check_n(n)))
-
-    def train_epoch(self, *, live: bool | None = None) -> dict[str, Any] | Paused:
-        """Finish the current epoch (or train the next one): steps, scores, eval, checkpoint, LR."""
-        return self._run(lambda: self._units("epoch"), live=live)
-
-    def train(self, num_epochs: int | None = None, *, live: bool | None = None) -> dict[str, Any] | Paused:
-        """Train up to epoch ``num_epochs`` (default: the config's); returns the last epoch's scores.
-
-        ``num_epochs`` becomes the final epoch (the config's ``num_epochs``), raised or lowered;
-        it cannot be below an epoch that is already trained or running.
-        """
-        if num_epochs is not None:
-            self._set_final_epoch(num_epochs, lower_ok=True)
-        return self._run(lambda: self._units("train"), live=live, allow_finished=True)
-
-    async def train_steps_async(self, n: int) -> StepResult | Paused | None:
-        """Like :meth:`train_steps`, yielding to the event loop between steps (Pause button works)."""
-        return await self._run_async(lambda: self._units("steps", self._check_n(n)))
-
-    async def train_epoch_async(self, *, live: bool | None = None) -> dict[str, Any] | Paused:
-        """Like :meth:`train_epoch`; ``await`` it in a notebook cell so widgets stay responsive."""
-        return await self._run_async(lambda: self._units("epoch"), live=live)
-
-    async def train_async(self, num_epochs: int | None = None, *, live: bool | None = None) -> Any:
-        """Like :meth:`train`; ``await session.train_async()`` keeps the kernel responsive."""
-        if num_epochs is not None:
-            self._set_final_epoch(num_epochs, lower_ok=True)
-        return await self._run_async(lambda: self._units("train"), live=live, allow_finished=True)
-
-    def train_in_background(self, goal: str = "train", n: int = 1, *, live: bool | None = None) -> threading.Thread:
-        """Train in a thread (goal ``"train"``, ``"epoch"`` or ``"steps"``); the cell returns at once.
-
-        ``session.pause()`` stops at the next step boundary, ``session.wait()`` joins and
-        returns the result (or raises the error). Do not step other sessions meanwhile:
-        global RNG states are process-wide.
-        """
-        if self._thread is not None and self._thread.is_alive():
-            raise SessionStateError("this session is already training in the background; call wait() or pause()")
-        units = (lambda: self._units("steps", self._check_n(n))) if goal == "steps" else (lambda: self._units(goal))
-        self._guard.clear()
-        self._prepare_run(live, allow_finished=goal == "train")
-        self._background = {}
-
-        def target() -> None:
-            try:
-                # finished here, not in wait(): status and the interrupt event come when the thread stops
-                self._background["result"] = self._finish_run(self._drive_all(units))
-            except BaseException as exc:
-                self._background["error"] = exc
-
-        self._thread = threading.Thread(target=target, name="kit-session-training", daemon=True)
-        self._thread.start()
-        return self._thread
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait for :meth:`train_in_background`; returns its result or raises its error."""
-        if self._thread is None:
-            return None
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            return None
-        self._thread, outcome = None, self._background
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome.get("result")
-
-    @property
-    def is_training(self) -> bool:
-        return self.status == "running"
-
-    def extend(self, num_epochs: int) -> None:
-        """Raise the final epoch without resetting LR control or history; ``train()`` goes on to it."""
-        self._set_final_epoch(num_epochs, lower_ok=False)
-
-    def _set_final_epoch(self, num_epochs: int, *, lower_ok: bool) -> None:
-        current = self.config.int("num_epochs")
-        if not isinstance(num_epochs, int) or num_epochs < 1:
-            raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
-        if num_epochs < current and not lower_ok:
-            raise ValueError(f"extend(num_epochs={num_epochs}): must be >= the current num_epochs {current}; "
-                             f"use train(num_epochs={num_epochs}) to stop earlier")
-        p = self.engine.progress
-        done = p.epoch if p.epoch_running else p.epoch - 1
-        if num_epochs < done:
-            raise ValueError(f"num_epochs={num_epochs}: epoch {done} is already "
-                             f"{'running' if p.epoch_running else 'trained'}; the final epoch cannot be earlier")
-        self.config.update(num_epochs=num_epochs)
-        if self.status == "finished" and num_epochs > done:
-            self.status = "ready"
-
-    @staticmethod
-    def _check_n(n: int) -> int:
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"train_steps(n): n must be an int >= 1, got {n!r}")
-        return n
-
-    def _units(self, goal: str, n: int = 0) -> Generator[None, None, Any]:
-        """Run train steps / epoch ends towards ``goal``; yields between units."""
-        engine, steps, last = self.engine, 0, None
-        while True:
-            if self._all_trained():
-                self.status = "finished"
-                return last if goal == "steps" else self._last_row()
-            result = engine.train_step()
-            if result is None:
-                row = engine.finish_epoch()
-                if goal == "epoch":
-                    return row
-            else:
-                steps, last = steps + 1, result
-                if self._break_matches(result):
-                    return self._break_here(result)
-                if goal == "steps" and steps >= n:
-                    return last
-            if self._guard.requested and not self._all_trained():
-                return _PAUSED
-            yield
-
-    def _all_trained(self) -> bool:
-        p = self.engine.progress
-        return not p.epoch_running and p.epoch > self.engine.final_epoch
-
-    # ---- debugging ----------------------------------------------------------------------
-
-    def break_on(self, step: int | None = None, *, when: Callable[[StepResult], bool] | None = None) -> None:
-        """Stop a train_* call after global step ``step`` (or after any step where ``when(result)``).
-
-        The call returns the ``DebugContext`` (also passed to ``debug_hook`` as event
-        ``"step"``); the next train_* call continues the same epoch. ``break_on()`` clears.
-        """
-        self._break_step, self._break_when = step, when
-
-    def _break_matches(self, result: StepResult) -> bool:
-        if self._break_step is not None and result.global_train_step == self._break_step:
-            self._break_step = None
-            return True
-        return self._break_when is not None and bool(self._break_when(result))
-
-    def _break_here(self, result: StepResult) -> Any:
-        ctx = self.engine.debugger.context("step", batch=self.engine.last_batch, step_losses=result.step_losses,
-                                           rng=None)
-        self.engine.debugger.call_hook(ctx)  # RNG states put back afterwards: a hook never changes training
-        self.last_failure = ctx
-        self.status = "paused"
-        return ctx
-
-    def replay(self, ctx: Any = None, *, anomaly: bool = True) -> Any:
-        """Re-run exactly the captured step and report the first op/module producing NaN/Inf."""
-        from kit import debug
-
-        ctx = ctx if ctx is not None else self.last_failure
-        if ctx is None:
-            raise SessionStateError("nothing to replay: session.last_failure is empty (no failure captured)")
-        with self._world():
-            return debug.replay(self.engine, ctx, anomaly=anomaly)
-
-    def release(self) -> None:
-        """Free the batch and device tensors held by the last captured failure."""
-        if self.last_failure is not None:
-            self.last_failure.release()
-        self.last_failure = None
-
-    def _last_row(self) -> dict[str, Any]:
-        epochs = self.engine.scores.epochs
-        return self.engine.epoch_scores(epochs[-1]) if epochs else {}
-
-    def _run(self, units: Callable[[], Generator], *, live: bool | None = None, allow_finished: bool = False) -> Any:
-        # the handler is in place before the set-up (model build, resume) so that an interrupt
-        # there pauses after the first step instead of tearing the set-up apart
-        self._guard.clear()
-        with self._guard.held():
-            self._prepare_run(live, allow_finished)
-            return self._finish_run(self._drive_all(units))
-
-    async def _run_async(self, units: Callable[[], Generator], *, live: bool | None = None,
-                         allow_finished: bool = False) -> Any:
-        import asyncio
-
-        self._guard.clear()
-        with self._guard.held():
-            self._prepare_run(live, allow_finished)
-            gen = units()
-            while True:
-                deadline = time.monotonic() + self.yield_every_secs
-                with self._world(), self._errors_tracked():
-                    done, result = _advance(gen, deadline)
-                if done:
-                    return self._finish_run(result)
-                await asyncio.sleep(0)  # let the kernel handle widget messages (the Pause button)
-
-    def _drive_all(self, units: Callable[[], Generator]) -> Any:
-        with self._world(), self._errors_tracked():
-            return _advance(units(), None)[1]
-
-    def _prepare_run(self, live: bool | None, allow_finished: bool) -> None:
-        """Preconditions of every train_* call, and the dashboard when asked."""
-        self._check_can_train()
-        with self._forced_interrupt_marked():
-            self._training_parts()
-        p = self.engine.progress
-        if not allow_finished and not p.epoch_running and p.epoch > self.engine.final_epoch:
-            raise SessionStateError(f"all {self.engine.final_epoch} epochs are trained; "
-                                    "call session.extend(num_epochs) or session.train(num_epochs) to train more")
-        if live if live is not None else self.live:
-            self._show_dashboard()
-        self.status = "running"
-
-    @contextlib.contextmanager
-    def _forced_interrupt_marked(self) -> Iterator[None]:
-        """A KeyboardInterrupt (second interrupt within a second) may leave a half-updated state:
-        remember where, so that train_* refuses until restore / reload_latest."""
-        try:
-            yield
-        except KeyboardInterrupt:
-            self._mid_step = self.engine.progress.where()
-            self.status = "error: interrupted mid-step"
-            raise
-
-    @contextlib.contextmanager
-    def _errors_tracked(self) -> Iterator[None]:
-        """A forced interrupt mid-step marks the session inconsistent; errors set the status."""
-        try:
-            with self._forced_interrupt_marked():
-                yield
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:
-            self.status = f"error: {type(exc).__name__}: {exc}".split("\n")[0]
-            raise
-
-    def _finish_run(self, result: Any) -> Any:
-        if result is _PAUSED:
-            return self._paused()
-        if self._guard.requested:  # it came as the last unit finished: the goal is reached anyway
-            logger.info("%s arrived as the train call finished; nothing to pause", self._guard.reason)
-            self._guard.clear()
-        if self.status == "running":
-            self.status = "ready"
-        return result
-
-    def _paused(self) -> Paused:
-        p = self.engine.progress
-        paused = Paused(p.epoch, p.step_in_epoch, self._guard.reason or "pause requested")
-        self._guard.clear()
-        self.status = "paused"
-        logger.warning("%s", paused)
-        self.events.emit("interrupt", status=paused)
-        return paused
-
-    def pause(self) -> None:
-        """Stop the running train_* call at the next step boundary (e.g. from a button)."""
-        self._guard.request("pause requested")
-
-    def _check_can_train(self) -> None:
-        if self._inspecting:
-            raise SessionStateError(
-                f"the model holds the weights of {self._inspecting} for inspection (checkpoints.load); "
-                "call session.checkpoints.restore(...) to continue from that checkpoint, or "
-                "session.reload_latest() to go back to the training state")
-        if self._mid_step:
-            raise SessionStateError(
-                f"the last train call was interrupted mid-step (a second interrupt within a second) at "
-                f"{self._mid_step}: the model or optimizer may be half-updated; call "
-                "session.checkpoints.restore(...) or session.reload_latest() to continue from a consistent state")
 
     # ---- checkpoints --------------------------------------------------------------------
 
@@ -655,7 +349,7 @@ class Session:
         engine = self.engine
         optimizer = getattr(engine.updater, "optimizer", None)
         parts = [p for p in (engine.model, engine.updater, optimizer) if p is not None]
-        _drop_stored_references({id(o) for o in (self, engine, *parts)}, {id(o) for o in parts})
+        drop_stored_references({id(o) for o in (self, engine, *parts)}, {id(o) for o in parts})
         del parts, optimizer
         engine.close()
         self.release()
@@ -694,63 +388,6 @@ def _set_torch_defaults(wanted: tuple[torch.dtype, torch.device], now: tuple[tor
         torch.set_default_dtype(wanted[0])
     if wanted[1] != now[1]:
         torch.set_default_device(None if wanted[1] == torch.device("cpu") else wanted[1])
-
-
-def _holds(exc: BaseException | None, refs: set[int]) -> bool:
-    """Whether a frame of ``exc``'s traceback (or of its cause/context chain) holds one of ``refs``."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if _tb_holds(exc.__traceback__, refs):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _tb_holds(tb: Any, refs: set[int]) -> bool:
-    while tb is not None:
-        if any(id(v) in refs for v in tb.tb_frame.f_locals.values()):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _drop_stored_references(frame_refs: set[int], value_refs: set[int]) -> None:
-    """Forget stored exceptions whose frames hold ``frame_refs``, and cached outputs in ``value_refs``."""
-    last = getattr(sys, "last_value", None) or getattr(sys, "last_exc", None)
-    if last is not None and _holds(last, frame_refs):
-        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
-            if hasattr(sys, name):
-                setattr(sys, name, None)
-    if "IPython" not in sys.modules:
-        return
-    from IPython import get_ipython
-
-    shell = get_ipython()
-    if shell is None:
-        return
-    result = getattr(shell, "last_execution_result", None)
-    if result is not None and _holds(getattr(result, "error_in_exec", None), frame_refs):
-        result.error_in_exec = None
-    formatter = getattr(shell, "InteractiveTB", None)  # keeps the traceback for %debug
-    if formatter is not None and _tb_holds(getattr(formatter, "tb", None), frame_refs):
-        formatter.tb = None
-    ns = getattr(shell, "user_ns", {})
-    out = ns.get("Out")
-    if isinstance(out, dict):
-        for key in [k for k, v in out.items() if id(v) in value_refs]:
-            del out[key]
-    for name in [k for k, v in ns.items() if _is_output_variable(k) and id(v) in value_refs]:
-        ns[name] = None
-    hook = getattr(shell, "displayhook", None)
-    for name in ("_", "__", "___"):
-        if hook is not None and id(getattr(hook, name, None)) in value_refs:
-            setattr(hook, name, None)
-
-
-def _is_output_variable(name: str) -> bool:
-    """IPython's output cache names: ``_``, ``__``, ``___``, ``_12``."""
-    return name in ("_", "__", "___") or (name.startswith("_") and name[1:].isdigit())
 
 
 class UnknownSeqTagError(KitError, KeyError):

@@ -324,7 +324,9 @@ class Dashboard:
             return
 
         def after_cell(*_: Any) -> None:
-            if self._running and self.session.status != "running":
+            if self.session.status == "closed":  # nothing more to watch: let go of the shell
+                self.detach()
+            elif self._running and self.session.status != "running":
                 self._finish_run()
 
         self._cell_hook = (shell, self._guarded(after_cell))

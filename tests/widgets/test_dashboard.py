@@ -327,8 +327,10 @@ def test_last_frame_is_drawn_when_the_training_cell_ends() -> None:
         shell.run_cell("session.train_steps(3)", store_history=False)
         assert "kit-dashboard-final" in dash.widget._dom_classes
         assert dash.timeline.steps == [0, 1, 2] and "step 3" in dash.progress_line.value
+        hook = dash._cell_hook[1]
+        assert hook in shell.events.callbacks["post_run_cell"]
         dash.detach()
-        assert not [h for h in shell.events.callbacks["post_run_cell"] if "Dashboard" in h.__qualname__]
+        assert hook not in shell.events.callbacks["post_run_cell"]
     finally:
         InteractiveShell.clear_instance()
         sys.displayhook, sys.excepthook = saved
