@@ -31,10 +31,10 @@ def suggest(name: str, choices: list[str] | None = None, cutoff: float = 0.75) -
     return matches[0] if matches else None
 
 
-def _unknown_key_problem(name: str, where: str = "") -> str:
+def _unknown_key_problem(name: str, where: str = "", extra: list[str] | None = None) -> str:
     if name in REPLACED_KEYS:
         return REPLACED_KEYS[name]
-    guess = suggest(name)
+    guess = suggest(name, list(KEYS) + list(extra or []))
     hint = f" — did you mean '{guess}'?" if guess else " (see docs/config.md for the known keys)"
     return f"unknown config key '{name}'{where}{hint}"
 
@@ -62,6 +62,7 @@ class Config(Mapping[str, Any]):
             )
         self._values: dict[str, Any] = {}
         self._user_globals: dict[str, Any] = {}  # config-file helpers: constants, functions, imports
+        self._namespace: dict[str, Any] | None = None  # the config file's globals, shared with its functions
         self.source: str | None = None
         self.update(items, **kwargs)
 
@@ -113,6 +114,7 @@ class Config(Mapping[str, Any]):
         config._values.update(known)
         config._user_globals.update(user)
         config.source = os.path.abspath(path)
+        config._namespace = namespace
         config.update(overrides)
         return config
 
@@ -120,11 +122,18 @@ class Config(Mapping[str, Any]):
         """Set keys; unknown keys and bad values are collected into one ConfigError."""
         new = dict(items or {})
         new.update(kwargs)
-        problems = [_unknown_key_problem(name) for name in new if name not in KEYS]
+        # a config file's own globals can be overridden too (RETURNN's command line allows it)
+        user = {k: v for k, v in new.items() if k not in KEYS and k in self._user_globals}
+        problems = [_unknown_key_problem(name, extra=list(self._user_globals))
+                    for name in new if name not in KEYS and name not in user]
         problems += _value_problems({k: v for k, v in new.items() if k in KEYS})
         if problems:
             raise ConfigError(problems)
-        self._values.update(new)
+        self._values.update({k: v for k, v in new.items() if k not in user})
+        self._user_globals.update(user)
+        # functions defined in the config file read its globals: they see overrides, as in RETURNN
+        if self._namespace is not None:
+            self._namespace.update({k: v for k, v in new.items() if k in self._namespace})
         return self
 
     def copy(self) -> Config:

@@ -400,3 +400,15 @@ def test_digest_is_stable_and_changes_with_values():
 def test_config_error_is_a_value_error():
     assert issubclass(kit.ConfigError, ValueError)
     assert issubclass(kit.ConfigError, kit.KitError)
+
+
+def test_overrides_reach_the_config_files_own_globals_and_its_functions(tmp_path):
+    """RETURNN's command line may override a config file's constants; its functions see the new value."""
+    path = tmp_path / "cfg.py"
+    path.write_text("hidden = 32\nnum_epochs = 2\n\ndef get_model(**kwargs):\n    return hidden\n")
+    config = kit.Config.from_file(path, hidden=64, num_epochs=3)
+    assert config["hidden"] == 64
+    assert config.typed_value("get_model")() == 64
+    assert config.int("num_epochs") == 3
+    with pytest.raises(kit.ConfigError, match="did you mean 'hidden'"):
+        kit.Config.from_file(path, hiden=64)
