@@ -220,7 +220,9 @@ class ScoreTable:
         import pandas as pd
 
         columns = self.columns()
-        frame = pd.DataFrame.from_records(self.records(), columns=["epoch", *columns])
+        # a row that only holds the learning rate of an epoch not finished yet is not an epoch's row
+        records = [r for r in self.records() if self._rows[r["epoch"]]["scores"] or self._rows[r["epoch"]]["meta"]]
+        frame = pd.DataFrame.from_records(records, columns=["epoch", *columns])
         return frame.set_index("epoch")
 
     def __repr__(self) -> str:
