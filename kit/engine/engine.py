@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kit import distributed
 from kit.config import Config
 from kit.engine import amp, resume
 from kit.engine.accounting import EpochAccounting, StepLosses, stack_losses
@@ -75,6 +76,7 @@ class Engine:
         self.progress = Progress()
         self.is_set_up = False
         self.device: torch.device | None = None
+        self.dist: distributed.DistributedContext | None = None  # set up under torchrun
         self.model: torch.nn.Module | None = None
         self.updater: Any = None
         self.grad_scaler: torch.amp.GradScaler | None = None
@@ -111,10 +113,15 @@ class Engine:
         if self.is_set_up:
             return
         self.device, reason = select_device(self.config.typed_value("device"))
+        self.dist = distributed.from_config(self.config, self.device)
+        if self.dist:  # one process per device (cuda:LOCAL_RANK)
+            self.device, reason = self.dist.device, f"{reason}; {self.dist}"
         logger.info("device: %s (%s)", self.device, reason)
         self.datasets = resume.build_datasets(self.config)
         self.extern_data = resume.build_extern_data(self.config)
         self.scores = resume.open_score_table(self.config)
+        if self.dist and not self.dist.is_main:  # rank 0 alone writes the score file
+            self.scores.path = None
         start = resume.find_start(self.config, self.scores, training=resume.is_training(self))
         self.progress.epoch = start.epoch
         self.progress.global_train_step = start.global_train_step
@@ -157,8 +164,11 @@ class Engine:
             raise ConfigError("config key 'train' is not set: training needs a dataset")
         self.updater = Updater(self.config, self.model)
         self.lr_control = make_lr_control(self.config, self.scores)
-        self.train_pipeline = Pipeline.from_config(self.datasets["train"], self.config, train=True,
-                                                   extern_data=self.extern_data)
+        make_pipeline = self.dist.pipeline if self.dist else Pipeline.from_config  # a rank's share of each epoch
+        self.train_pipeline = make_pipeline(self.datasets["train"], self.config, train=True,
+                                            extern_data=self.extern_data)
+        if self.dist:  # DDP, or every rank starts from rank 0's weights
+            self.dist.prepare_model(self.model)
 
     # ---- one train step ---------------------------------------------------------------
 
@@ -189,7 +199,11 @@ class Engine:
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
         self._step_rng = _torch_rng_state() if self.debugger is not None else None
-        self._run_user_step(self.config.typed_value("train_step"), ctx, batch_dev, stage="train")
+        train_step = self.config.typed_value("train_step")
+        if self.dist:  # through DDP's forward; gradients sync on the last micro-batch of a window (or epoch)
+            last = p.accum_count + 1 >= self._accum_grad_multiple_step(batch) or batch.complete_frac == 1
+            train_step = self.dist.train_step(train_step, sync=last)
+        self._run_user_step(train_step, ctx, batch_dev, stage="train")
         total = self._total_loss(ctx)
         # backward: scaled for float16; gradients of micro-batches are summed
         (self.grad_scaler.scale(total) if self.grad_scaler else total).backward()
@@ -230,6 +244,8 @@ class Engine:
             optimizer.step()
         p.num_updates += 1
         p.consec_skipped_updates = 0
+        if self.dist:  # reduce_type "param": average the weights every param_sync_step updates
+            self.dist.after_update(self.model, p.num_updates)
         return True, grad_norm
 
     @staticmethod
@@ -351,6 +367,8 @@ class Engine:
             pass
         if p.accum_count:  # a partial accumulation window: RETURNN drops it, kit applies it
             self._update(stack_losses({}), None)
+        if self.dist:  # the loss sums of all ranks; reduce_type "param": the same weights everywhere
+            self.dist.finish_train_epoch(self.model, self.accounting)
         epoch = p.epoch
         if self.accounting.num_steps == 0:
             raise DataError(f"epoch {epoch}: the training dataset gave no batches")
@@ -364,7 +382,8 @@ class Engine:
         self._save_scores()
         if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
             self.save_checkpoint(kind="epoch", epoch=epoch)
-            resume.cleanup(self)
+            if not self.dist or self.dist.is_main:
+                resume.cleanup(self)
         row = self.epoch_scores(epoch)
         logger.info("finished epoch %d: %s", epoch, _format_scores(self.scores.scores(epoch)))
         self.events.emit("epoch_end", epoch=epoch, scores=row)
@@ -453,7 +472,8 @@ class Engine:
         if train_step is None:
             raise ConfigError("config key 'train_step' is not set: eval runs train_step with train_flag=False")
         check_accepts_kwargs(train_step, "train_step")
-        pipeline = Pipeline.from_config(dataset, self.config, train=False, extern_data=self.extern_data)
+        make_pipeline = self.dist.pipeline if self.dist else Pipeline.from_config  # a rank's share
+        pipeline = make_pipeline(dataset, self.config, train=False, extern_data=self.extern_data)
         try:
             pipeline.set_epoch(max(1, self.progress.epoch - (0 if self.progress.epoch_running else 1)))
         except DataError as exc:  # say which eval dataset: the pipeline only knows the class
@@ -464,6 +484,8 @@ class Engine:
             self._run_user_step(train_step, ctx, batch.to(self.device, non_blocking=True), stage=f"eval of {name!r}")
             acc.add(stack_losses(ctx.losses))
         pipeline.close()
+        if self.dist:  # the sums of all ranks' shares
+            self.dist.all_reduce_accounting(acc)
         if acc.num_steps == 0:
             raise DataError(f"eval dataset {name!r} is empty (or every sequence was filtered out)")
         self._last_eval_errors = getattr(self, "_last_eval_errors", {})
@@ -483,7 +505,11 @@ class Engine:
 
     def save_checkpoint(self, *, kind: str = "step", epoch: int | None = None) -> Any:
         """Write a checkpoint of the whole training state now (epoch or mid-epoch step)."""
-        ckpt = resume.save(self, kind=kind, epoch=epoch)
+        if self.dist:  # rank 0 writes (mid-epoch with the loss sums of all ranks so far); the others wait
+            ckpt = self.dist.save_on_main(lambda: resume.save(self, kind=kind, epoch=epoch),
+                                          self.accounting if self.progress.epoch_running else None)
+        else:
+            ckpt = resume.save(self, kind=kind, epoch=epoch)
         self.last_checkpoint = ckpt
         self.events.emit("checkpoint_saved", checkpoint=ckpt)
         return ckpt
@@ -520,6 +546,9 @@ class Engine:
         self.train_pipeline = None
         self._eval_pipelines.clear()
         self.model = self.updater = self.grad_scaler = None
+        if self.dist:  # destroys the process group it created
+            self.dist.close()
+            self.dist = None
         self.is_set_up = False
 
 

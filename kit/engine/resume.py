@@ -420,7 +420,8 @@ def load_train_state(engine: Any, state: dict[str, Any]) -> None:
     if p.epoch_running:
         engine.updater.set_learning_rate(engine._step_lr)
         engine.train_pipeline.load_state_dict(state["pipeline"])
-        engine.accounting.load_state_dict(state["accounting"], engine.device)
+        if getattr(engine, "dist", None) is None or engine.dist.is_main:  # rank 0 saved the sums of all ranks
+            engine.accounting.load_state_dict(state["accounting"], engine.device)
         engine.model.train()
     if state.get("grads"):
         params = dict(engine.model.named_parameters())
