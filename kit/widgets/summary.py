@@ -10,12 +10,20 @@ def session_html(session: Any) -> str:
     """Device, model size, position, learning rate, last scores and checkpoints of a Session."""
     engine = session.engine
     p = engine.progress
-    rows = [("status", session.status),
-            ("position", f"epoch {p.epoch} of {engine.final_epoch}, step {p.step_in_epoch}, "
-                         f"global step {p.global_train_step}, {p.num_updates} updates")]
+    rows = [
+        ("status", session.status),
+        (
+            "position",
+            f"epoch {p.epoch} of {engine.final_epoch}, step {p.step_in_epoch}, "
+            f"global step {p.global_train_step}, {p.num_updates} updates",
+        ),
+    ]
     if engine.model is not None:
         n = sum(t.numel() for t in engine.model.parameters())
-        rows += [("device", str(engine.device)), ("model", f"{type(engine.model).__name__}, {n:,} parameters")]
+        rows += [
+            ("device", str(engine.device)),
+            ("model", f"{type(engine.model).__name__}, {n:,} parameters"),
+        ]
     else:
         rows.append(("model", "not built yet (built on first use)"))
     if engine.updater is not None:
@@ -30,6 +38,9 @@ def session_html(session: Any) -> str:
 
         names = [c.name for c in checkpoints.list_checkpoints(prefix) if c.complete]
         rows.append(("checkpoints", f"{len(names)} ({', '.join(names[-3:])})" if names else "none yet"))
-    body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
-                   f"{html.escape(str(v))}</td></tr>" for k, v in rows)
+    body = "".join(
+        f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
+        f"{html.escape(str(v))}</td></tr>"
+        for k, v in rows
+    )
     return f"<div><b>kit.Session</b><table>{body}</table></div>"
