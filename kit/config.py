@@ -64,6 +64,7 @@ class Config(Mapping[str, Any]):
         self._user_globals: dict[str, Any] = {}  # config-file helpers: constants, functions, imports
         self._namespace: dict[str, Any] | None = None  # the config file's globals, shared with its functions
         self.source: str | None = None
+        self.version = 0
         self.update(items, **kwargs)
 
     # ---- construction -----------------------------------------------------------------
@@ -130,6 +131,7 @@ class Config(Mapping[str, Any]):
         if problems:
             raise ConfigError(problems)
         self._values.update({k: v for k, v in new.items() if k not in user})
+        self.version += 1  # readers that cache values (the engine's step options) re-read them
         self._user_globals.update(user)
         # functions defined in the config file read its globals: they see overrides, as in RETURNN
         if self._namespace is not None:

@@ -61,6 +61,29 @@ class StepResult:
         return f"StepResult(ep {self.epoch}, step {self.step}, global {self.global_train_step}: {losses})"
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """The config values a train step reads, read once per config version (not per step)."""
+
+    train_step: Callable[..., Any]
+    accum_grad_multiple_step: Any  # int or callable
+    dynamic_learning_rate: Callable[..., float] | None
+    guard: bool
+    log_every: int
+    save_every: int  # 0: no step checkpoints
+
+    @classmethod
+    def read(cls, config: Config) -> StepOptions:
+        return cls(
+            train_step=config.typed_value("train_step"),
+            accum_grad_multiple_step=config.typed_value("accum_grad_multiple_step"),
+            dynamic_learning_rate=config.typed_value("dynamic_learning_rate"),
+            guard=bool(config.bool("stop_on_nonfinite_train_score")),
+            log_every=1 if config.int("log_verbosity") >= 4 else config.int("log_every_n_steps"),
+            save_every=(config.int("save_every_n_steps") or 0) if config.typed_value("model") else 0,
+        )
+
+
 class Engine:
     """Train, evaluate and forward a model from a :class:`Config`.
 
@@ -97,6 +120,7 @@ class Engine:
             self.debugger = Debugger(self, self, lambda: self.config.typed_value("debug_hook"))
         self._step_rng: Any = None
         self.last_batch: Any = None
+        self._options: tuple[int, StepOptions] | None = None
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -172,6 +196,12 @@ class Engine:
 
     # ---- one train step ---------------------------------------------------------------
 
+    @property
+    def step_options(self) -> StepOptions:
+        if self._options is None or self._options[0] != self.config.version:
+            self._options = (self.config.version, StepOptions.read(self.config))
+        return self._options[1]
+
     def train_step(self) -> StepResult | None:
         """Train on the next micro-batch of the current epoch; None once the epoch's data is used up."""
         self._ensure_training_parts()
@@ -194,14 +224,15 @@ class Engine:
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
             self.updater.optimizer.zero_grad(set_to_none=True)
-        lr = self._set_step_learning_rate(batch)
+        opts = self.step_options
+        lr = self._set_step_learning_rate(batch, opts)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
         self._step_rng = _torch_rng_state() if self.debugger is not None else None
-        train_step = self.config.typed_value("train_step")
+        train_step, accum_multiple = opts.train_step, self._accum_grad_multiple_step(batch, opts)
         if self.dist:  # through DDP's forward; gradients sync on the last micro-batch of a window (or epoch)
-            last = p.accum_count + 1 >= self._accum_grad_multiple_step(batch) or batch.complete_frac == 1
+            last = p.accum_count + 1 >= accum_multiple or batch.complete_frac == 1
             train_step = self.dist.train_step(train_step, sync=last)
         self._run_user_step(train_step, ctx, batch_dev, stage="train")
         total = self._total_loss(ctx)
@@ -211,7 +242,7 @@ class Engine:
         step_losses = stack_losses(ctx.losses)
         # update when the accumulation window is complete
         updated, grad_norm = False, None
-        if p.accum_count >= self._accum_grad_multiple_step(batch):
+        if p.accum_count >= accum_multiple:
             updated, grad_norm = self._update(step_losses, batch)
         # account: losses stay on the device
         self.accounting.add(step_losses)
@@ -220,8 +251,10 @@ class Engine:
         p.step_in_epoch += 1
         p.global_train_step += 1
         self.events.emit("step_end", result=result)
-        self._maybe_log_step(result)
-        self._maybe_save_step_checkpoint()
+        if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
+            self._log_step(result)
+        if opts.save_every and p.global_train_step % opts.save_every == 0:
+            self.save_checkpoint(kind="step")
         return result
 
     def _update(self, step_losses: StepLosses, batch: Any) -> tuple[bool, torch.Tensor | None]:
@@ -231,7 +264,7 @@ class Engine:
         if scaler is not None:
             scaler.unscale_(optimizer)
         self.updater.apply_gradient_noise()
-        guard = bool(self.config.bool("stop_on_nonfinite_train_score"))
+        guard = self.step_options.guard
         # with a float16 scaler, inf gradients are expected: the scaler skips those steps itself
         grad_norm = self.updater.clip_gradients(need_grad_norm=guard and scaler is None)
         if guard and not self._all_finite(step_losses, None if scaler else grad_norm):
@@ -302,8 +335,8 @@ class Engine:
                 self.debugger.notify("exception", error=exc, stage=stage, batch=batch, rng=self._step_rng)
             raise
 
-    def _accum_grad_multiple_step(self, batch: Any) -> int:
-        value = self.config.typed_value("accum_grad_multiple_step")
+    def _accum_grad_multiple_step(self, batch: Any, opts: StepOptions) -> int:
+        value = opts.accum_grad_multiple_step
         if callable(value):
             value = call_user(value, "accum_grad_multiple_step", epoch=self.progress.epoch,
                               epoch_continuous=self._epoch_continuous(batch),
@@ -314,9 +347,9 @@ class Engine:
         frac = batch.complete_frac if batch.complete_frac is not None else 0.0
         return self.progress.epoch - 1 + frac
 
-    def _set_step_learning_rate(self, batch: Any) -> float:
+    def _set_step_learning_rate(self, batch: Any, opts: StepOptions) -> float:
         lr = self._epoch_lr
-        if self.config.typed_value("dynamic_learning_rate") is not None:
+        if opts.dynamic_learning_rate is not None:
             lr = self.lr_control.dynamic_learning_rate(
                 global_train_step=self.progress.global_train_step, epoch=self.progress.epoch,
                 epoch_continuous=self._epoch_continuous(batch), learning_rate=self._epoch_lr)
@@ -325,17 +358,11 @@ class Engine:
             self._step_lr = lr
         return lr
 
-    def _maybe_log_step(self, result: StepResult) -> None:
-        every = 1 if self.config.int("log_verbosity") >= 4 else self.config.int("log_every_n_steps")
-        if result.step % every == 0 and logger.isEnabledFor(logging.INFO):
-            from kit.scores import format_step_line
+    @staticmethod
+    def _log_step(result: StepResult) -> None:
+        from kit.scores import format_step_line
 
-            logger.info(format_step_line(result.epoch, result.step, result.losses, result.seconds))
-
-    def _maybe_save_step_checkpoint(self) -> None:
-        every = self.config.int("save_every_n_steps")
-        if every and self.model_prefix and self.progress.global_train_step % every == 0:
-            self.save_checkpoint(kind="step")
+        logger.info(format_step_line(result.epoch, result.step, result.losses, result.seconds))
 
     # ---- epochs -----------------------------------------------------------------------
 
@@ -345,7 +372,9 @@ class Engine:
         self.updater.set_learning_rate(self._epoch_lr)
         self._step_lr = self._epoch_lr
         # randomness depends on (random_seed, epoch, global step) only, not on process history
-        seed_all(derive_seed(self.config.int("random_seed"), p.epoch, p.global_train_step))
+        # (and on the rank: DDP ranks must not all draw the same dropout masks)
+        rank = (self.dist.rank,) if self.dist and self.dist.rank else ()  # rank 0 draws as one process
+        seed_all(derive_seed(self.config.int("random_seed"), p.epoch, p.global_train_step, *rank))
         self.train_pipeline.set_epoch(p.epoch)
         self.accounting = EpochAccounting()
         p.epoch_running, p.steps_exhausted, p.step_in_epoch = True, False, 0
@@ -377,8 +406,9 @@ class Engine:
         self.scores.set_meta(epoch, **self._epoch_meta())
         self._record_eval(epoch, self.eval_model())
         p.epoch, p.epoch_running, p.steps_exhausted, p.step_in_epoch = epoch + 1, False, False, 0
-        if p.epoch <= self.final_epoch:
-            self.lr_control.learning_rate_for_epoch(p.epoch)  # newbob decides with this epoch's scores
+        if p.epoch <= self.final_epoch:  # newbob decides with this epoch's scores; stored when epoch e+1 starts,
+            # so the score file holds exactly one row per finished epoch (as RETURNN's after a crash)
+            logger.info("learning rate for epoch %d: %g", p.epoch, self.lr_control.calc_learning_rate_for_epoch(p.epoch))
         self._save_scores()
         if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
             self.save_checkpoint(kind="epoch", epoch=epoch)
