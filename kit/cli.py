@@ -40,10 +40,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     engine = Engine(_config(args))
     try:
         engine.train()
+        main = engine.dist is None or engine.dist.is_main  # under torchrun, rank 0 reports
     finally:
         engine.close()
-    last = engine.scores.epochs[-1] if engine.scores.epochs else None
-    if last is not None:
+    epochs = [e for e in engine.scores.epochs if engine.scores.has_scores(e)]
+    if main and epochs:  # stdout: one line for scripts (the log on stderr says the same and more)
+        last = epochs[-1]
         print(f"finished epoch {last}: " + ", ".join(f"{k} {v:.4g}" for k, v in engine.scores.scores(last).items()))
     return 0
 

@@ -451,18 +451,5 @@ def cleanup(engine: Any) -> list[Any]:
     table = engine.scores
     scores = {e: {k: v for k, v in table.scores(e).items() if not k.startswith("train_")} for e in table.epochs}
     protect = [engine.last_checkpoint] if engine.last_checkpoint is not None else []
-    removed = checkpoints.cleanup(engine.model_prefix, options, scores=scores, protect=protect)
-    for ckpt in removed:
-        logger.info("cleanup_old_models: removed %s", ckpt.path)
-    return removed
+    return checkpoints.cleanup(engine.model_prefix, options, scores=scores, protect=protect)  # logs each removal
 
-
-def state_tensors_to(state: Any, device: torch.device) -> Any:
-    """Move every tensor in a nested state to ``device``."""
-    if isinstance(state, torch.Tensor):
-        return state.to(device)
-    if isinstance(state, dict):
-        return {k: state_tensors_to(v, device) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(state_tensors_to(v, device) for v in state)
-    return state
