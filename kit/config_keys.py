@@ -237,7 +237,7 @@ _KEYS: list[Key] = [
     _k("training", "log_verbosity", "int", 3, "RETURNN-style verbosity; >=4 logs every step", non_negative_int),
     _k("training", "torch_log_memory_usage", "bool", False, "add device memory to log lines", boolean),
     _k("training", "device", "str", None, "None: cuda, then mps, then cpu; 'gpu' requires a GPU; PT_DEVICE env var overrides", device_spec),
-    _k("training", "torch_distributed", "dict", None, "DDP options when run under torchrun"),
+    _k("training", "torch_distributed", "dict", None, "under torchrun: {'reduce_type': 'grad' (DDP) or 'param' (averaging), 'param_sync_step', 'options' (DDP kwargs), 'backend'}"),
     _k("training", "forward_auto_split_batch_on_oom", "bool", True, "split a forward batch in halves on CUDA OOM", boolean),
     _k("training", "debug_hook", "callable", None, "callable(DebugContext) called on debug events (replaces debug_shell_before_train_loop)", optional_callable),
     # optimizer and learning rate
