@@ -12,7 +12,6 @@ from kit.errors import SessionStateError
 class Debugging:
     """Mixin of :class:`kit.Session`: ``break_on``, ``replay``, ``release``."""
 
-
     def break_on(self, step: int | None = None, *, when: Callable[[StepResult], bool] | None = None) -> None:
         """Stop a train_* call after global step ``step`` (or after any step where ``when(result)``).
 
@@ -28,8 +27,9 @@ class Debugging:
         return self._break_when is not None and bool(self._break_when(result))
 
     def _break_here(self, result: StepResult) -> Any:
-        ctx = self.engine.debugger.context("step", batch=self.engine.last_batch, step_losses=result.step_losses,
-                                           rng=None)
+        ctx = self.engine.debugger.context(
+            "step", batch=self.engine.last_batch, step_losses=result.step_losses, rng=None
+        )
         self.engine.debugger.call_hook(ctx)  # RNG states put back afterwards: a hook never changes training
         self.last_failure = ctx
         self.status = "paused"

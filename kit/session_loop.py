@@ -32,8 +32,10 @@ class Paused:
     paused: bool = True
 
     def __str__(self) -> str:
-        return (f"paused at epoch {self.epoch}, step {self.step} ({self.reason}) — "
-                f"call train_epoch() or train() to continue")
+        return (
+            f"paused at epoch {self.epoch}, step {self.step} ({self.reason}) — "
+            f"call train_epoch() or train() to continue"
+        )
 
     __repr__ = __str__
 
@@ -52,26 +54,9 @@ def _advance(gen: Generator, deadline: float | None) -> tuple[bool, Any]:
             return False, None
 
 
-
-def _advance(gen: Generator, deadline: float | None) -> tuple[bool, Any]:
-    """Drive ``gen`` until it returns (→ (True, value)) or ``deadline`` passes (→ (False, None))."""
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return True, stop.value
-        if deadline is not None and time.monotonic() >= deadline:
-            return False, None
-
-
 class TrainingLoop:
     """Mixin of :class:`kit.Session` with the ``train_*`` calls (uses the session's engine,
     world, interrupt guard and status)."""
-
-    #
-    # Every train_* call is a generator of "units" (one train step, or one epoch end)
-    # driven to its goal: all at once (train_*), in time slices with an await between
-    # them (train_*_async), or in a thread (train_in_background). The loop is the same.
 
     def train_step(self) -> StepResult | Paused | None:
         """One step of the current epoch (rolling into the next epoch when this one is done)."""
@@ -109,7 +94,9 @@ class TrainingLoop:
             self._set_final_epoch(num_epochs, lower_ok=True)
         return await self._run_async(lambda: self._units("train"), live=live, allow_finished=True)
 
-    def train_in_background(self, goal: str = "train", n: int = 1, *, live: bool | None = None) -> threading.Thread:
+    def train_in_background(
+        self, goal: str = "train", n: int = 1, *, live: bool | None = None
+    ) -> threading.Thread:
         """Train in a thread (goal ``"train"``, ``"epoch"`` or ``"steps"``); the cell returns at once.
 
         ``session.pause()`` stops at the next step boundary, ``session.wait()`` joins and
@@ -117,8 +104,14 @@ class TrainingLoop:
         global RNG states are process-wide.
         """
         if self._thread is not None and self._thread.is_alive():
-            raise SessionStateError("this session is already training in the background; call wait() or pause()")
-        units = (lambda: self._units("steps", self._check_n(n))) if goal == "steps" else (lambda: self._units(goal))
+            raise SessionStateError(
+                "this session is already training in the background; call wait() or pause()"
+            )
+        units = (
+            (lambda: self._units("steps", self._check_n(n)))
+            if goal == "steps"
+            else (lambda: self._units(goal))
+        )
         self._guard.clear()
         self._prepare_run(live, allow_finished=goal == "train")
         self._background = {}
@@ -159,13 +152,17 @@ class TrainingLoop:
         if not isinstance(num_epochs, int) or num_epochs < 1:
             raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
         if num_epochs < current and not lower_ok:
-            raise ValueError(f"extend(num_epochs={num_epochs}): must be >= the current num_epochs {current}; "
-                             f"use train(num_epochs={num_epochs}) to stop earlier")
+            raise ValueError(
+                f"extend(num_epochs={num_epochs}): must be >= the current num_epochs {current}; "
+                f"use train(num_epochs={num_epochs}) to stop earlier"
+            )
         p = self.engine.progress
         done = p.epoch if p.epoch_running else p.epoch - 1
         if num_epochs < done:
-            raise ValueError(f"num_epochs={num_epochs}: epoch {done} is already "
-                             f"{'running' if p.epoch_running else 'trained'}; the final epoch cannot be earlier")
+            raise ValueError(
+                f"num_epochs={num_epochs}: epoch {done} is already "
+                f"{'running' if p.epoch_running else 'trained'}; the final epoch cannot be earlier"
+            )
         self.config.update(num_epochs=num_epochs)
         if self.status == "finished" and num_epochs > done:
             self.status = "ready"
@@ -206,7 +203,9 @@ class TrainingLoop:
         epochs = self.engine.scores.epochs
         return self.engine.epoch_scores(epochs[-1]) if epochs else {}
 
-    def _run(self, units: Callable[[], Generator], *, live: bool | None = None, allow_finished: bool = False) -> Any:
+    def _run(
+        self, units: Callable[[], Generator], *, live: bool | None = None, allow_finished: bool = False
+    ) -> Any:
         # the handler is in place before the set-up (model build, resume) so that an interrupt
         # there pauses after the first step instead of tearing the set-up apart
         self._guard.clear()
@@ -214,8 +213,9 @@ class TrainingLoop:
             self._prepare_run(live, allow_finished)
             return self._finish_run(self._drive_all(units))
 
-    async def _run_async(self, units: Callable[[], Generator], *, live: bool | None = None,
-                         allow_finished: bool = False) -> Any:
+    async def _run_async(
+        self, units: Callable[[], Generator], *, live: bool | None = None, allow_finished: bool = False
+    ) -> Any:
         import asyncio
 
         self._guard.clear()
@@ -241,8 +241,10 @@ class TrainingLoop:
             self._training_parts()
         p = self.engine.progress
         if not allow_finished and not p.epoch_running and p.epoch > self.engine.final_epoch:
-            raise SessionStateError(f"all {self.engine.final_epoch} epochs are trained; "
-                                    "call session.extend(num_epochs) or session.train(num_epochs) to train more")
+            raise SessionStateError(
+                f"all {self.engine.final_epoch} epochs are trained; "
+                "call session.extend(num_epochs) or session.train(num_epochs) to train more"
+            )
         if live if live is not None else self.live:
             self._show_dashboard()
         self.status = "running"
@@ -298,9 +300,11 @@ class TrainingLoop:
             raise SessionStateError(
                 f"the model holds the weights of {self._inspecting} for inspection (checkpoints.load); "
                 "call session.checkpoints.restore(...) to continue from that checkpoint, or "
-                "session.reload_latest() to go back to the training state")
+                "session.reload_latest() to go back to the training state"
+            )
         if self._mid_step:
             raise SessionStateError(
                 f"the last train call was interrupted mid-step (a second interrupt within a second) at "
                 f"{self._mid_step}: the model or optimizer may be half-updated; call "
-                "session.checkpoints.restore(...) or session.reload_latest() to continue from a consistent state")
+                "session.checkpoints.restore(...) or session.reload_latest() to continue from a consistent state"
+            )
