@@ -12,7 +12,6 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,66 +21,18 @@ from kit.config import Config
 from kit.engine import amp, resume
 from kit.engine.accounting import EpochAccounting, StepLosses, stack_losses
 from kit.engine.device import select_device
+from kit.engine.evaluation import evaluate_dataset
 from kit.engine.progress import Progress
+from kit.engine.step import StepOptions, StepResult
 from kit.engine.user_code import annotate_exception, call_user, check_accepts_kwargs
 from kit.errors import ConfigError, DataError, KitError, NonFiniteLossError
 from kit.events import Events
 from kit.rng import derive_seed, get_rng_state, seed_all, set_rng_state
 from kit.run_ctx import RunCtx, run_ctx_scope
 
+__all__ = ["Engine", "StepOptions", "StepResult"]
+
 logger = logging.getLogger("kit")
-
-
-@dataclass
-class StepResult:
-    """What one train step did. Loss values are read from the device only when asked.
-
-    ``step`` is the step's 0-based index in its epoch and ``global_train_step`` its
-    0-based global index (the ``step`` user code sees in the run context).
-    """
-
-    epoch: int
-    step: int
-    global_train_step: int
-    learning_rate: float
-    updated: bool
-    seconds: float
-    num_seqs: int
-    complete_frac: float | None
-    step_losses: StepLosses
-    grad_norm: torch.Tensor | None = None
-
-    @property
-    def losses(self) -> dict[str, float]:
-        """Normalized loss per name (sum / norm) — one device→host read, cached."""
-        return self.step_losses.normalized()
-
-    def __repr__(self) -> str:
-        losses = ", ".join(f"{k} {v:.4g}" for k, v in self.losses.items())
-        return f"StepResult(ep {self.epoch}, step {self.step}, global {self.global_train_step}: {losses})"
-
-
-@dataclass(frozen=True)
-class StepOptions:
-    """The config values a train step reads, read once per config version (not per step)."""
-
-    train_step: Callable[..., Any]
-    accum_grad_multiple_step: Any  # int or callable
-    dynamic_learning_rate: Callable[..., float] | None
-    guard: bool
-    log_every: int
-    save_every: int  # 0: no step checkpoints
-
-    @classmethod
-    def read(cls, config: Config) -> StepOptions:
-        return cls(
-            train_step=config.typed_value("train_step"),
-            accum_grad_multiple_step=config.typed_value("accum_grad_multiple_step"),
-            dynamic_learning_rate=config.typed_value("dynamic_learning_rate"),
-            guard=bool(config.bool("stop_on_nonfinite_train_score")),
-            log_every=1 if config.int("log_verbosity") >= 4 else config.int("log_every_n_steps"),
-            save_every=(config.int("save_every_n_steps") or 0) if config.typed_value("model") else 0,
-        )
 
 
 class Engine:
@@ -121,6 +72,7 @@ class Engine:
         self._step_rng: Any = None
         self.last_batch: Any = None
         self._options: tuple[int, StepOptions] | None = None
+        self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -488,44 +440,18 @@ class Engine:
         self.model.eval()
         try:
             with torch.no_grad():
-                results = {name: self._eval_one(name, ds) for name, ds in datasets.items()}
+                results = {}
+                for name, dataset in datasets.items():
+                    results[name], self._eval_errors[name] = evaluate_dataset(self, name, dataset)
         finally:
             set_rng_state(rng)
             self.model.train(was_training)
         self.events.emit("eval_end", scores=results)
         return results
 
-    def _eval_one(self, name: str, dataset: Any) -> dict[str, float]:
-        from kit.data.pipeline import Pipeline
-
-        train_step = self.config.typed_value("train_step")
-        if train_step is None:
-            raise ConfigError("config key 'train_step' is not set: eval runs train_step with train_flag=False")
-        check_accepts_kwargs(train_step, "train_step")
-        make_pipeline = self.dist.pipeline if self.dist else Pipeline.from_config  # a rank's share
-        pipeline = make_pipeline(dataset, self.config, train=False, extern_data=self.extern_data)
-        try:
-            pipeline.set_epoch(max(1, self.progress.epoch - (0 if self.progress.epoch_running else 1)))
-        except DataError as exc:  # say which eval dataset: the pipeline only knows the class
-            raise DataError(f"eval dataset {name!r}: {exc}") from None
-        acc = EpochAccounting()
-        for batch in pipeline:
-            ctx = RunCtx("eval", train_flag=False, epoch=self.progress.epoch, step=acc.num_steps)
-            self._run_user_step(train_step, ctx, batch.to(self.device, non_blocking=True), stage=f"eval of {name!r}")
-            acc.add(stack_losses(ctx.losses))
-        pipeline.close()
-        if self.dist:  # the sums of all ranks' shares
-            self.dist.all_reduce_accounting(acc)
-        if acc.num_steps == 0:
-            raise DataError(f"eval dataset {name!r} is empty (or every sequence was filtered out)")
-        self._last_eval_errors = getattr(self, "_last_eval_errors", {})
-        self._last_eval_errors[name] = acc.error_keys(f"{name}_loss_")
-        return acc.scores(f"{name}_loss_")
-
     def _record_eval(self, epoch: int, results: dict[str, dict[str, float]]) -> None:
-        errors = getattr(self, "_last_eval_errors", {})
         for name, scores in results.items():
-            self.scores.set_scores(epoch, scores, errors=errors.get(name, set()))
+            self.scores.set_scores(epoch, scores, errors=self._eval_errors.get(name, set()))
 
     # ---- files ------------------------------------------------------------------------
 

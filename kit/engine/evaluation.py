@@ -1,0 +1,46 @@
+"""Evaluation of one dataset: the user's ``train_step`` with ``train_flag=False``, losses summed on the device.
+
+Results are named ``<dataset>_loss_<loss>``; chunking is not applied (unless
+``chunking_in_eval``); under torchrun each rank evaluates its share and the sums are added.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kit.engine.accounting import EpochAccounting, stack_losses
+from kit.engine.user_code import check_accepts_kwargs
+from kit.errors import ConfigError, DataError
+from kit.run_ctx import RunCtx
+
+
+def evaluate_dataset(engine: Any, name: str, dataset: Any) -> tuple[dict[str, float], set[str]]:
+    """``({"<name>_loss_<loss>": value}, error score keys)`` for one eval dataset (call under no_grad)."""
+    from kit.data.pipeline import Pipeline
+
+    train_step = engine.config.typed_value("train_step")
+    if train_step is None:
+        raise ConfigError("config key 'train_step' is not set: eval runs train_step with train_flag=False")
+    check_accepts_kwargs(train_step, "train_step")
+    make_pipeline = engine.dist.pipeline if engine.dist else Pipeline.from_config  # a rank's share
+    pipeline = make_pipeline(dataset, engine.config, train=False, extern_data=engine.extern_data)
+    p = engine.progress
+    try:
+        pipeline.set_epoch(max(1, p.epoch - (0 if p.epoch_running else 1)))
+    except DataError as exc:  # say which eval dataset: the pipeline only knows the class
+        raise DataError(f"eval dataset {name!r}: {exc}") from None
+    acc = EpochAccounting()
+    try:
+        for batch in pipeline:
+            ctx = RunCtx("eval", train_flag=False, epoch=p.epoch, step=acc.num_steps)
+            batch_dev = batch.to(engine.device, non_blocking=True)
+            engine._run_user_step(train_step, ctx, batch_dev, stage=f"eval of {name!r}")
+            acc.add(stack_losses(ctx.losses))
+    finally:
+        pipeline.close()
+    if engine.dist:  # the sums of all ranks' shares
+        engine.dist.all_reduce_accounting(acc)
+    if acc.num_steps == 0:
+        raise DataError(f"eval dataset {name!r} is empty (or every sequence was filtered out)")
+    prefix = f"{name}_loss_"
+    return acc.scores(prefix), acc.error_keys(prefix)
