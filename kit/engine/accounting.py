@@ -56,24 +56,21 @@ class StepLosses:
 
 def stack_losses(losses: Mapping[str, Any]) -> StepLosses:
     """The run context's losses (``Loss`` objects) as detached device scalars — no torch op but detach."""
-    names = list(losses)
-    if not names:
+    if not losses:
         return StepLosses([], [], [])
-    sums = [_scalar(loss.sum) for loss in losses.values()]
-    device = sums[0].device
-    norms = []
-    for loss in losses.values():
-        n = loss.inv_norm_factor
-        n = _scalar(n) if isinstance(n, torch.Tensor) else torch.tensor(float(n), dtype=torch.float64)
-        norms.append(n if n.device == device else n.to(device))
-    errors = frozenset(n for n, loss in losses.items() if loss.as_error)
-    return StepLosses(names, sums, norms, errors)
-
-
-def _scalar(t: torch.Tensor) -> torch.Tensor:
-    if t.requires_grad:
-        t = t.detach()
-    return t if t.dim() == 0 else t.reshape(())
+    names, sums, norms, errors = list(losses), [], [], []
+    for name, loss in losses.items():
+        s = loss.sum
+        if s.requires_grad:
+            s = s.detach()
+        if s.dim():
+            s = s.reshape(())
+        sums.append(s)
+        n = loss.inv_norm_factor  # mark_as_loss makes it a 0-d tensor on the loss' device
+        norms.append(n if isinstance(n, torch.Tensor) else torch.tensor(float(n), dtype=torch.float64, device=s.device))
+        if loss.as_error:
+            errors.append(name)
+    return StepLosses(names, sums, norms, frozenset(errors))
 
 
 class EpochAccounting:
@@ -85,8 +82,11 @@ class EpochAccounting:
         # running accumulators: two small ops per loss and step, like a hand-written loop
         self._run_names: list[str] | None = None
         self._run: list[torch.Tensor] = []  # sums, then norms
+        self._pending: list[StepLosses] = []  # steps not yet added into _run
         self.errors: set[str] = set()
         self.num_steps = 0
+
+    block = 32  # steps summed with one stack per loss: ~1 torch op per step instead of 2 per loss
 
     def add(self, step: StepLosses) -> None:
         if step.names != self._run_names:
@@ -95,11 +95,21 @@ class EpochAccounting:
             if step.names:
                 dtype = _acc_dtype(step.sums[0].device)
                 self._run = [torch.zeros((), dtype=dtype, device=t.device) for t in (*step.sums, *step.norms)]
-        for acc, t in zip(self._run, (*step.sums, *step.norms)):
-            acc.add_(t)
+        self._pending.append(step)
+        if len(self._pending) >= self.block:
+            self._add_pending()
         if step.errors:
             self.errors |= step.errors
         self.num_steps += 1
+
+    def _add_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending or not self._run_names:
+            return
+        n = len(self._run_names)
+        for i, acc in enumerate(self._run):
+            column = [s.sums[i] for s in pending] if i < n else [s.norms[i - n] for s in pending]
+            acc.add_(torch.stack(column).sum(dtype=acc.dtype))
 
     @property
     def totals(self) -> dict[str, torch.Tensor]:
@@ -109,9 +119,10 @@ class EpochAccounting:
 
     @totals.setter
     def totals(self, value: dict[str, torch.Tensor]) -> None:
-        self._run_names, self._run, self._totals = None, [], value
+        self._run_names, self._run, self._pending, self._totals = None, [], [], value
 
     def _flush(self) -> None:
+        self._add_pending()
         if self._run_names:
             n = len(self._run_names)
             for i, name in enumerate(self._run_names):
