@@ -20,15 +20,6 @@ from kit.data import Task12AXDataset
 STEPS_PER_EPOCH = 7  # 40 sequences of Task12AX at batch_size=600, max_seqs=10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny ops: intra-op threads only add contention on a shared 2-core runner (10x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def config(**overrides):
     """One or two short epochs, no eval: a session trains in a fraction of a second."""
     base = dict(train=Task12AXDataset(40, seed=1, seq_ordering="random"), dev=None, num_epochs=1)

@@ -13,18 +13,11 @@ import pytest
 import torch
 from helpers.faults import write_malicious_checkpoint
 from helpers.models import TinyModel, tiny_config
-from helpers.training_script import one_torch_thread
 
 import kit
 from kit import checkpoints
 from kit.engine.engine import Engine
 from kit.errors import CheckpointError, UnsafeCheckpointError
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_torch_thread():
-        yield
 
 
 def constant_weights(value: float) -> dict[str, torch.Tensor]:

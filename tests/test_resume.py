@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from helpers.training_script import (
     STEPS_PER_EPOCH,
     Recorder,
     config,
-    one_torch_thread,
+    copy_run,
     reference_run,
     snapshot,
 )
@@ -37,21 +36,9 @@ from kit.errors import CheckpointError
 WORKERS = {"torch_dataloader_opts": {"num_workers": 2}}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_torch_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return reference_run(str(tmp_path_factory.getbasetemp() / "reference"))
-
-
-def copy_run(reference, tmp_path) -> str:
-    """A copy of the reference run's files (checkpoints, score table); returns the new prefix."""
-    shutil.copytree(os.path.dirname(reference.prefix), tmp_path / "run")
-    return str(tmp_path / "run" / "model")
 
 
 def stop_after(n: int):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.faults import flip_byte, truncate_file, write_malicious_checkpoint
-from helpers.training_script import STEPS_PER_EPOCH, config, one_torch_thread, reference_run, train
+from helpers.training_script import STEPS_PER_EPOCH, config, copy_run, reference_run, train
 
 import kit
 from kit import checkpoints
@@ -35,20 +35,9 @@ SCRIPT = Path(__file__).resolve().parent / "helpers" / "training_script.py"
 NUM_STEPS = 2 * STEPS_PER_EPOCH
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_torch_thread():
-        yield
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return reference_run(str(tmp_path_factory.getbasetemp() / "reference"))
-
-
-def copy_run(reference, tmp_path) -> str:
-    shutil.copytree(os.path.dirname(reference.prefix), tmp_path / "run")
-    return str(tmp_path / "run" / "model")
 
 
 def assert_same_as(result, reference, losses_from: int):

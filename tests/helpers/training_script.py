@@ -11,14 +11,13 @@ after each train step, so that a test can kill it at a chosen point. ``KIT_TEST_
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
 import os
+import shutil
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,15 +102,10 @@ def train(
         engine.close()
 
 
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Tiny models run several times faster on one thread when other processes load the cores."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+def copy_run(reference: RunResult, tmp_path: Path) -> str:
+    """A copy of the reference run's files (checkpoints, score table); returns the new prefix."""
+    shutil.copytree(os.path.dirname(reference.prefix), tmp_path / "run")
+    return str(tmp_path / "run" / "model")
 
 
 @functools.cache

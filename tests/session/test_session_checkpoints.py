@@ -32,11 +32,8 @@ def train_with_a_step_checkpoint(prefix: str) -> kit.Session:
 
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory):
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     directory = tmp_path_factory.mktemp("trained")
     train_with_a_step_checkpoint(str(directory / "model")).close()
-    torch.set_num_threads(n)
     return directory
 
 

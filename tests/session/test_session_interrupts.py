@@ -233,14 +233,11 @@ def kernel_config(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def uninterrupted(kernel_config, tmp_path_factory) -> dict:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
     rec = LossRecorder()
     with kit.Session.from_config(kernel_config, model=str(tmp_path_factory.mktemp("plain") / "model")) as s:
         s.on("step_end", rec)
         s.train()
         result = {"state": state(s.model), "losses": rec.stacked()}
-    torch.set_num_threads(n)
     return result
 
 
