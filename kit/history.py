@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from kit.engine.accounting import read_normalized
+
 
 def process_memory_bytes(device: torch.device | None) -> dict[str, int]:
     """Memory now: CUDA allocated/reserved/peak (host-side counters, no sync) or process RSS."""
@@ -68,17 +70,8 @@ class History:
         """Copy pending device records to the host in one transfer."""
         if not self._pending:
             return
-        groups: dict[tuple, list[int]] = {}
-        for i, (_, losses) in enumerate(self._pending):
-            groups.setdefault((tuple(losses.names), losses.values.device), []).append(i)
-        for (names, _device), idx in groups.items():
-            if not names:
-                continue
-            host = torch.stack([self._pending[i][1].values for i in idx]).to("cpu", torch.float64)
-            for j, i in enumerate(idx):
-                row = self._pending[i][0]
-                for k, name in enumerate(names):
-                    row[name] = float(host[j, 0, k] / host[j, 1, k])
+        for (row, _), losses in zip(self._pending, read_normalized([s for _, s in self._pending])):
+            row.update(losses)
         self.rows.extend(row for row, _ in self._pending)
         self._pending.clear()
         while len(self.rows) > self.max_rows:

@@ -73,6 +73,33 @@ def stack_losses(losses: Mapping[str, Any]) -> StepLosses:
     return StepLosses(names, sums, norms, frozenset(errors))
 
 
+def read_normalized(step_losses: list[Any]) -> list[dict[str, float]]:
+    """Normalized losses of many steps, with one stack and one device→host copy per loss set."""
+    out: list[dict[str, float]] = [{} for _ in step_losses]
+    groups: dict[tuple, list[int]] = {}
+    for i, losses in enumerate(step_losses):
+        if losses is not None and losses.names:
+            groups.setdefault((tuple(losses.names), losses_device(losses)), []).append(i)
+    for (names, _device), idx in groups.items():
+        k = len(names)
+        if all(hasattr(step_losses[i], "sums") for i in idx):
+            # the steps' scalars as they are: one stack for all (dtypes promote), not one per step
+            scalars = [t for i in idx for t in (*step_losses[i].sums, *step_losses[i].norms)]
+            host = torch.stack([t.detach() for t in scalars]).to("cpu", torch.float64).view(len(idx), 2, k)
+        else:
+            host = torch.stack([step_losses[i].values.detach() for i in idx]).to("cpu", torch.float64)
+        ratios = (host[:, 0, :] / host[:, 1, :]).tolist()
+        for row, i in zip(ratios, idx):
+            out[i] = dict(zip(names, row))
+    return out
+
+
+def losses_device(losses: StepLosses) -> torch.device:
+    """The device a step's loss scalars live on."""
+    sums = getattr(losses, "sums", None)
+    return sums[0].device if sums else losses.values.device
+
+
 class EpochAccounting:
     """Σ sums and Σ norms per loss name over an epoch (or an eval pass), on the device."""
 

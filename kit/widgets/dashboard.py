@@ -40,7 +40,8 @@ import threading
 import time
 from typing import Any
 
-from kit.widgets.timeline import Timeline, _device_of, memory_now
+from kit.engine.accounting import losses_device
+from kit.widgets.timeline import Timeline, memory_now
 
 logger = logging.getLogger("kit")
 
@@ -283,7 +284,7 @@ class Dashboard:
         self.timeline.new_run()
         if self._device is None:
             losses = result.step_losses
-            self._device = _device_of(losses) if losses is not None and losses.names else self.session.device
+            self._device = losses_device(losses) if losses is not None and losses.names else self.session.device
         if self.mode == "widget":
             self.pause_button.disabled, self.pause_button.description = False, "Pause"
             self.widget.remove_class("kit-dashboard-final")

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kit.engine.accounting import read_normalized
 from kit.history import process_memory_bytes
 
 _HISTORY_KEYS = {"global_train_step", "epoch", "step", "learning_rate", "seconds", "num_seqs"}
@@ -105,7 +106,7 @@ class Timeline:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        values = _read_losses([result.step_losses for result, _ in pending])
+        values = read_normalized([result.step_losses for result, _ in pending])
         for (result, memory), losses in zip(pending, values):
             self._append(result, losses, memory)
         if len(self.steps) > self.max_points:
@@ -177,32 +178,6 @@ def memory_now(device: torch.device | None, *, reset_peak: bool = False) -> dict
     if reset_peak and device is not None and device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     return memory
-
-
-def _read_losses(step_losses: list[Any]) -> list[dict[str, float]]:
-    """Normalized losses of many steps, with one stack and one device→host copy per loss set."""
-    out: list[dict[str, float]] = [{} for _ in step_losses]
-    groups: dict[tuple, list[int]] = {}
-    for i, losses in enumerate(step_losses):
-        if losses is not None and losses.names:
-            groups.setdefault((tuple(losses.names), _device_of(losses)), []).append(i)
-    for (names, _device), idx in groups.items():
-        k = len(names)
-        if all(hasattr(step_losses[i], "sums") for i in idx):
-            # the steps' scalars as they are: one stack for all (dtypes promote), not one per step
-            scalars = [t for i in idx for t in (*step_losses[i].sums, *step_losses[i].norms)]
-            host = torch.stack([t.detach() for t in scalars]).to("cpu", torch.float64).view(len(idx), 2, k)
-        else:
-            host = torch.stack([step_losses[i].values.detach() for i in idx]).to("cpu", torch.float64)
-        ratios = (host[:, 0, :] / host[:, 1, :]).tolist()
-        for row, i in zip(ratios, idx):
-            out[i] = dict(zip(names, row))
-    return out
-
-
-def _device_of(losses: Any) -> torch.device:
-    sums = getattr(losses, "sums", None)
-    return sums[0].device if sums else losses.values.device
 
 
 def _is_number(value: Any) -> bool:
