@@ -219,7 +219,7 @@ class _Tracer:
         return (*self.stack[-1], _user_frame()) if self.stack else (None, "", _user_frame())
 
     def check(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        if self.first is not None or not _nonfinite(out):
+        if self.first is not None or _uninitialized(func) or not _nonfinite(out):
             return
         inputs_finite = not _nonfinite((args, kwargs))
         if self.first_any is not None and not inputs_finite:
@@ -248,6 +248,16 @@ class _Tracer:
         node = _current_autograd_node()
         if node is not None and "kit_origin" in node.metadata:
             self._last_origin = (node.metadata["kit_origin"], type(node).__name__)
+
+
+_ALLOCATORS = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted")
+
+
+def _uninitialized(func: Any) -> bool:
+    """Ops that return uninitialised memory (e.g. dropout's ``empty_like`` before ``bernoulli_``):
+    whatever garbage they hold, NaN included, is not a finding."""
+    packet = getattr(func, "overloadpacket", None)
+    return getattr(packet, "__name__", "") in _ALLOCATORS
 
 
 def _current_autograd_node() -> Any:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.models import TinyModel, tiny_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kit
 import kit.debug
@@ -404,6 +405,25 @@ def test_replay_traces_a_backward_only_nan_to_its_forward_line():
     assert report.location.startswith(f"{__file__}:{line_of(SqrtAtZero.forward, '# SQRT')} ")
     plain = session.replay(anomaly=False)  # without tracing back: only the backward node is named
     assert plain.finding.grad_fn == "SqrtBackward0" and plain.module is None
+
+
+class _NaNGarbage(TorchDispatchMode):
+    """Uninitialised memory that happens to hold NaN, as it sometimes does after other tests."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "empty_like":
+            out.fill_(float("nan"))
+        return out
+
+
+def test_replay_ignores_nan_garbage_in_uninitialised_memory():
+    session = kit.Session(**config(get_model=lambda **_: SqrtModel(3)))
+    with pytest.raises(kit.NonFiniteLossError):
+        session.train()
+    with _NaNGarbage():  # dropout's mask starts as empty_like(...) before bernoulli_ fills it
+        report = session.replay()
+    assert report.finding.phase == "backward" and report.finding.grad_fn == "SqrtBackward0"
 
 
 def test_replay_of_an_exception_reproduces_it():
