@@ -7,7 +7,9 @@ real widget model, built without a frontend (ipywidgets works without a kernel; 
 nowhere). Fine-grained turns make both see the same load on a shared machine. The dashboard's
 clock runs only while its own session trains, so it throttles as it would alone. Printed: the
 median per-round ratio (watched / plain), the ratio of the totals, and the time spent inside
-the dashboard (a figure that load on a shared machine does not blur). Target: <= 1.03.
+the dashboard (a figure that load on a shared machine does not blur). Target: <= 1.03. A third,
+plain session takes its turns too: its ratio to the first (ideally 1.000) shows how much
+the machine blurs the ratios of this run.
 
 Not counted: the warm-up steps before the clock starts, which include the dashboard's one-time
 cost (matplotlib import, figure, first frame; printed); and, outside a kernel, the sending of widget
@@ -103,7 +105,7 @@ def main() -> None:
         f"torch {torch.__version__} ({args.threads} thread(s)), python {sys.version.split()[0]}"
     )
     n = args.rounds * args.chunk + args.warmup
-    plain, watched = make_session(n), make_session(n)
+    plain, watched, control = make_session(n), make_session(n), make_session(n)
     clock = OwnClock()
     t = time.perf_counter()
     dash = TimedDashboard(watched, mode="widget")
@@ -115,15 +117,17 @@ def main() -> None:
         f"{time.perf_counter() - t:.2f}s"
     )
     timed(plain, args.warmup)
-    times: dict[str, list[float]] = {"plain": [], "watched": []}
+    timed(control, args.warmup)
+    times: dict[str, list[float]] = {"plain": [], "watched": [], "control": []}
+    orders = [("plain", "watched", "control"), ("watched", "control", "plain"), ("control", "plain", "watched")]
     for r in range(args.rounds):
-        order = ("plain", "watched") if r % 2 == 0 else ("watched", "plain")
-        for name in order:
-            if name == "plain":
-                times[name].append(timed(plain, args.chunk))
-            else:
+        for name in orders[r % 3] if r % 2 == 0 else reversed(orders[r % 3]):
+            if name == "watched":
                 times[name].append(timed(watched, args.chunk, clock))
+            else:
+                times[name].append(timed(plain if name == "plain" else control, args.chunk))
     ratios = [w / p for w, p in zip(times["watched"], times["plain"])]
+    control_ratios = [c / p for c, p in zip(times["control"], times["plain"])]
     total_p, total_w = sum(times["plain"]), sum(times["watched"])
     steps = args.rounds * args.chunk
     print(f"plain:   {total_p:.2f}s for {steps} steps ({1000 * total_p / steps:.2f} ms/step)")
@@ -139,6 +143,10 @@ def main() -> None:
         f"per-round ratio watched/plain: median {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}, {q[2]:.3f})"
     )
     print(f"ratio of totals {total_w / total_p:.3f}  (target <= 1.03)")
+    print(
+        f"noise check, a second plain session / plain: median {statistics.median(control_ratios):.3f}, "
+        f"totals {sum(times['control']) / total_p:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """The dashboard's picture: one matplotlib figure (Agg, no pyplot) rendered to PNG bytes.
 
-The figure and its lines are made once and updated with new data, so a redraw costs one
-Agg draw plus PNG encoding. Long series are drawn with at most ``max_points`` points.
+The figure and its lines are made once and updated with new data. Axis limits grow with
+headroom (the step axis by half its span) and are kept while the data fits them, so
+most frames only blit: the saved background (axes, ticks, titles, legends) is restored and
+the lines drawn on it — about a fifth of a full draw. A full draw happens only when data
+leaves the limits, fills too little of them, or a legend changes: a few times per run.
+Long series are drawn with at most ``max_points`` points.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import io
 import math
 from typing import Any
+
+import numpy as np
 
 PANELS = ("loss (raw, smoothed)", "scores per epoch", "learning rate", "memory (MiB)")
 _MIB = 2**20
@@ -41,6 +47,8 @@ class DashboardFigure:
             ax.grid(True, lw=0.3, alpha=0.5)
         self._lines: dict[tuple[str, str], Any] = {}
         self._legend_keys: dict[str, tuple] = {}
+        self._background: Any = None  # the figure without its lines, for blitting
+        self.num_full_draws = 0
         self._waiting = self.axes[PANELS[0]].text(
             0.5,
             0.5,
@@ -54,7 +62,9 @@ class DashboardFigure:
 
     def render(self, timeline: Any) -> bytes:
         """PNG bytes of the figure for the timeline's current data."""
-        self._waiting.set_visible(not timeline.steps)
+        waiting = not timeline.steps
+        stale = self._background is None or waiting != self._waiting.get_visible()
+        self._waiting.set_visible(waiting)
         self._losses(timeline)
         self._scores(timeline)
         self._series(
@@ -64,14 +74,18 @@ class DashboardFigure:
             self._series(
                 PANELS[3], _MEMORY_LABELS.get(key, key), timeline.memory_steps, [v / _MIB for v in values], {}
             )
-        for panel in PANELS:
-            self._rescale(panel)
-        if len(timeline.scores) == 1:  # one epoch: keep the axis at whole epochs
-            (epoch,) = timeline.scores
-            self.axes[PANELS[1]].set_xlim(epoch - 1, epoch + 1, auto=True)
-        buf = io.BytesIO()
-        self.figure.savefig(buf, format="png")
-        return buf.getvalue()
+        stale = any([self._update_legend(panel) for panel in PANELS]) or stale
+        stale = any([self._update_limits(panel, force=stale) for panel in PANELS]) or stale
+        canvas = self.figure.canvas
+        if stale:
+            canvas.draw()  # lines are "animated": left out of the background
+            self._background = canvas.copy_from_bbox(self.figure.bbox)
+            self.num_full_draws += 1
+        else:
+            canvas.restore_region(self._background)
+        for (panel, _), line in self._lines.items():
+            self.axes[panel].draw_artist(line)
+        return _png(canvas)
 
     def _losses(self, timeline: Any) -> None:
         for i, name in enumerate(timeline.losses):
@@ -115,18 +129,75 @@ class DashboardFigure:
             x, y = x[::k], y[::k]
         line = self._lines.get((panel, label))
         if line is None:
-            (line,) = self.axes[panel].plot(x, y, label=label if legend else f"_{label}", **style)
+            (line,) = self.axes[panel].plot(
+                x, y, label=label if legend else f"_{label}", animated=True, **style
+            )
             self._lines[(panel, label)] = line
         else:
             line.set_data(x, y)
 
-    def _rescale(self, panel: str) -> None:
+    def _update_legend(self, panel: str) -> bool:
+        """Draw the legend if the panel's labels changed; True if it did."""
         ax = self.axes[panel]
-        ax.relim()
-        ax.autoscale_view()
         labels = tuple(line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_"))
-        if labels and labels != self._legend_keys.get(panel):
-            # losses and scores fall, memory grows: keep the legend where the newest data is not
-            loc = "lower right" if panel == PANELS[3] else "upper right"
-            ax.legend(fontsize=6, loc=loc, ncol=1 + len(labels) // 5, framealpha=0.6)
-            self._legend_keys[panel] = labels
+        if not labels or labels == self._legend_keys.get(panel):
+            return False
+        # losses and scores fall, memory grows: keep the legend where the newest data is not
+        loc = "lower right" if panel == PANELS[3] else "upper right"
+        ax.legend(fontsize=6, loc=loc, ncol=1 + len(labels) // 5, framealpha=0.6)
+        self._legend_keys[panel] = labels
+        return True
+
+    def _update_limits(self, panel: str, *, force: bool) -> bool:
+        """New axis limits if the data left the old ones or fills too little of them; True if changed."""
+        ax = self.axes[panel]
+        bounds = _data_bounds(ax.get_lines())
+        if bounds is None:
+            return False
+        x_lo, x_hi, y_lo, y_hi = bounds
+        if panel == PANELS[1]:  # epochs: whole epochs, one either side
+            target_x = (x_lo - 1, x_hi + 1)
+        else:  # steps: room for half as many again before the next full draw
+            target_x = (x_lo, x_hi + max(0.5 * (x_hi - x_lo), 1))
+        pad = 0.1 * (y_hi - y_lo) or 0.05 * abs(y_hi) or 0.5
+        target_y = (y_lo - pad, y_hi + pad)
+        if not force:
+            views = (ax.get_xlim(), ax.get_ylim())
+            fits = all(
+                v_lo <= lo and hi <= v_hi
+                for (v_lo, v_hi), (lo, hi) in zip(views, ((x_lo, x_hi), (y_lo, y_hi)))
+            )
+            fills = all(
+                v_hi - v_lo <= 2 * (hi - lo) for (v_lo, v_hi), (lo, hi) in zip(views, (target_x, target_y))
+            )
+            if fits and fills:
+                return False
+        ax.set_xlim(*target_x)
+        ax.set_ylim(*target_y)
+        return True
+
+
+def _data_bounds(lines: list) -> tuple[float, float, float, float] | None:
+    """(x min, x max, y min, y max) over the finite points of ``lines``; None if there are none."""
+    xs, ys = [], []
+    for line in lines:
+        x = np.asarray(line.get_xdata(), dtype=float)
+        y = np.asarray(line.get_ydata(), dtype=float)
+        ok = np.isfinite(x) & np.isfinite(y)
+        xs.append(x[ok])
+        ys.append(y[ok])
+    x, y = np.concatenate(xs or [np.empty(0)]), np.concatenate(ys or [np.empty(0)])
+    if not len(x):
+        return None
+    return float(x.min()), float(x.max()), float(y.min()), float(y.max())
+
+
+def _png(canvas: Any) -> bytes:
+    """The canvas as PNG bytes (fast zlib level: the picture is replaced within seconds)."""
+    from PIL import Image
+
+    width, height = canvas.get_width_height(physical=True)
+    image = Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="png", compress_level=1)
+    return buf.getvalue()

@@ -107,6 +107,31 @@ def test_redraws_are_throttled_by_wall_time(monkeypatch) -> None:
     assert renders[-1][1] > 950  # late frames show the late steps
 
 
+def test_a_new_run_gets_a_frame_soon_after_earlier_runs_spent_the_budget(monkeypatch) -> None:
+    session = kit.Session(tiny_config())
+    dash = Dashboard(session, mode="widget", plot_budget=0.005, plot_burst=0.1)
+    dash.clock = clock = FakeClock()
+    renders = []
+
+    def render(self, timeline):
+        clock.t += 0.07  # a full redraw
+        renders.append(clock.t)
+        return PNG_MAGIC
+
+    monkeypatch.setattr(DashboardFigure, "render", render)
+    for g in range(100):  # a first run of 10 s spends its burst: tokens are in deficit
+        clock.t = g * 0.1
+        session.events.emit("step_end", result=fake_step(g))
+    dash._finish_run()  # e.g. paused; its last frame costs more
+    assert dash._plot_tokens < 0
+    clock.t += 1.0  # the user continues a second later
+    start, before = clock.t, len(renders)
+    for g in range(100, 120):  # the next run's first 2 s
+        clock.t = start + (g - 100) * 0.1
+        session.events.emit("step_end", result=fake_step(g))
+    assert [t for t in renders[before:] if t < start + 1.0]  # a new frame within its first second
+
+
 def test_mimebundle_has_widget_view_static_png_and_short_text() -> None:
     session = kit.Session(tiny_config())
     dash = Dashboard(session, mode="widget")
