@@ -22,6 +22,7 @@ from helpers.faults import (
     truncate_file,
     write_malicious_checkpoint,
 )
+from helpers.models import tiny_config
 
 import kit
 import kit.checkpoints as ck
@@ -135,9 +136,37 @@ def test_damaged_checkpoint_detected_and_skipped(tmp_model_prefix, case, caplog)
     with caplog.at_level(logging.WARNING, logger="kit"):
         assert ck.latest(str(tmp_model_prefix)).epoch == 1
     assert any("model.002" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kit"):
+        ckpt, model_file, train_state = ck.load_latest(str(tmp_model_prefix))
+    assert ckpt.epoch == model_file["epoch"] == train_state["progress"]["epoch"] == 1
+    assert any("model.002" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
     assert ck.latest(str(tmp_model_prefix), verify=False).epoch == (
         1 if "manifest" in case and "bad" not in case else 2
     )
+
+
+def test_a_flipped_byte_inside_tensor_data_is_caught_although_torch_loads_it(tmp_model_prefix):
+    save(tmp_model_prefix, 1)
+    e2 = save(tmp_model_prefix, 2)
+    with open(e2.path, "rb") as f:
+        data = f.read()
+    at = data.index(make_state(2)[0]["0.weight"].numpy().tobytes()[:64]) + 10  # inside a weight
+    flip_byte(e2.path, at)
+    torch.load(e2.path, weights_only=True)  # torch does not notice: only the hash does
+    with pytest.raises(kit.CorruptCheckpointError, match="sha256"):
+        ck.load_checkpoint(e2)
+    assert ck.load_latest(str(tmp_model_prefix))[0].epoch == 1
+
+
+def test_resume_reads_each_checkpoint_file_once(tmp_model_prefix, monkeypatch):
+    kit.Session(tiny_config(str(tmp_model_prefix), num_epochs=2)).train()
+    hashed = []
+    real = ck.files._sha256_of
+    monkeypatch.setattr(ck.files, "_sha256_of", lambda path: hashed.append(os.path.basename(path)) or real(path))
+    resumed = kit.Session(tiny_config(str(tmp_model_prefix), num_epochs=3))
+    resumed.train_step()  # resumes from epoch 2: verified while loaded, not before as well
+    assert resumed.epoch == 3 and sorted(hashed) == ["model.002.opt.pt", "model.002.pt"]
 
 
 @pytest.mark.parametrize(

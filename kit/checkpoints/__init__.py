@@ -18,7 +18,8 @@ Example::
     ckpt = kit.checkpoints.save("runs/demo/model", epoch=3, model_state=model.state_dict(),
                                 train_state=engine_state, global_train_step=1250)
     last = kit.checkpoints.latest("runs/demo/model")          # newest complete + verified
-    model_file, train_state = kit.checkpoints.load_checkpoint(last)
+    model_file, train_state = kit.checkpoints.load_checkpoint(last)   # verified again while loading
+    last, model_file, train_state = kit.checkpoints.load_latest("runs/demo/model")  # both, one read
     kit.checkpoints.load_into_model(model, model_file["model"])
 """
 
@@ -35,6 +36,7 @@ from kit.checkpoints.files import (
     list_checkpoints,
     load,
     load_checkpoint,
+    load_latest,
     save,
     verify,
 )
@@ -55,6 +57,7 @@ __all__ = [
     "load",
     "load_checkpoint",
     "load_into_model",
+    "load_latest",
     "preload_from_files",
     "save",
     "verify",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -9,9 +10,10 @@ import logging
 import os
 import pickle
 import re
+import threading
 import time
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import torch
@@ -148,22 +150,37 @@ def _sorted(ckpts: list[Checkpoint]) -> list[Checkpoint]:
 
 
 class _HashingWriter:
-    """Passes writes through to ``f`` while counting bytes and computing sha256."""
+    """Passes writes through to ``f`` while counting bytes and computing sha256.
 
-    def __init__(self, f: IO[bytes]):
+    A large write is hashed in a helper thread while the main thread writes the same buffer
+    (both run without the GIL); the call returns when both are done, so the buffer torch
+    hands over never needs copying.
+    """
+
+    _PARALLEL_FROM = 1 << 20  # bytes; smaller writes are hashed inline
+
+    def __init__(self, f: IO[bytes], pool: concurrent.futures.Executor):
         self._f = f
+        self._pool = pool
         self.sha256 = hashlib.sha256()
         self.size = 0
         self.error: BaseException | None = None
 
     def write(self, data: bytes) -> int:
-        self.sha256.update(data)
+        hashing = None
+        if len(data) >= self._PARALLEL_FROM:
+            hashing = self._pool.submit(self.sha256.update, data)
+        else:
+            self.sha256.update(data)
         self.size += len(data)
         try:
             return self._f.write(data)
         except BaseException as e:
             self.error = e
             raise
+        finally:
+            if hashing is not None:
+                hashing.result()
 
     def flush(self) -> None:
         self._f.flush()
@@ -171,8 +188,11 @@ class _HashingWriter:
 
 def _write_torch_file(path: str, obj: Any) -> dict:
     """Atomically ``torch.save`` ``obj`` to ``path``; returns its manifest entry."""
-    with fileio.atomic_open(path, "wb") as f:
-        writer = _HashingWriter(f)
+    with (
+        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kit-checkpoint-sha256") as pool,
+        fileio.atomic_open(path, "wb") as f,
+    ):
+        writer = _HashingWriter(f, pool)
         try:
             torch.save(obj, writer)
         except BaseException:
@@ -384,14 +404,16 @@ def _read_manifest(ckpt: Checkpoint) -> dict:
     return manifest
 
 
-def _check_file(path: str, entry: dict) -> None:
+def _check_size(path: str, entry: dict) -> None:
     if not os.path.isfile(path):
         raise CorruptCheckpointError(f"Checkpoint file missing: {path}")
     size = os.path.getsize(path)
     if size != entry["size"]:
         what = "truncated" if size < entry["size"] else "longer than written"
         raise CorruptCheckpointError(f"{path} is {what}: {size} bytes, manifest says {entry['size']}")
-    digest = _sha256_of(path)
+
+
+def _check_digest(path: str, entry: dict, digest: str) -> None:
     if digest != entry["sha256"]:
         raise CorruptCheckpointError(
             f"{path} is corrupt: sha256 {digest[:12]}… does not match the manifest ({entry['sha256'][:12]}…)"
@@ -406,11 +428,42 @@ def _sha256_of(path: str) -> str:
     return h.hexdigest()
 
 
+def _files_of(ckpt: Checkpoint, manifest: dict, *, train_state: bool) -> list[tuple[str, dict]]:
+    """(path, manifest entry) of the files to check: the model file, and the training state if wanted."""
+    files = [(ckpt.path, manifest["files"]["model"])]
+    if train_state and manifest["files"].get("train_state") is not None:
+        files.append((ckpt.opt_path, manifest["files"]["train_state"]))
+    return files
+
+
+def _hash_in_background(paths: list[str]) -> Callable[[], list[str]]:
+    """Start hashing ``paths`` in a thread (sha256 and file reads run without the GIL, so this
+    overlaps with ``torch.load``); the returned function waits and gives the digests."""
+    result: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            result["digests"] = [_sha256_of(p) for p in paths]
+        except BaseException as e:  # handed to the waiting thread
+            result["error"] = e
+
+    thread = threading.Thread(target=work, name="kit-checkpoint-sha256", daemon=True)
+    thread.start()
+
+    def wait() -> list[str]:
+        thread.join()
+        if "error" in result:
+            raise CorruptCheckpointError(f"Cannot read checkpoint files for hashing: {result['error']}")
+        return result["digests"]
+
+    return wait
+
+
 def _verify(ckpt: Checkpoint, *, train_state: bool = True) -> dict:
     manifest = _read_manifest(ckpt)
-    _check_file(ckpt.path, manifest["files"]["model"])
-    if train_state and manifest["files"].get("train_state") is not None:
-        _check_file(ckpt.opt_path, manifest["files"]["train_state"])
+    for path, entry in _files_of(ckpt, manifest, train_state=train_state):
+        _check_size(path, entry)
+        _check_digest(path, entry, _sha256_of(path))
     return manifest
 
 
@@ -428,22 +481,55 @@ def latest(prefix: str, *, verify: bool = True) -> Checkpoint | None:
             if verify:
                 _verify(ckpt)
         except CorruptCheckpointError as e:
-            logger.warning("Skipping checkpoint %s: %s; falling back to an older one", ckpt.name, e)
+            _warn_skipped(ckpt, e)
             continue
         return ckpt
     return None
 
 
+def _warn_skipped(ckpt: Checkpoint, error: CorruptCheckpointError) -> None:
+    logger.warning("Skipping checkpoint %s: %s; falling back to an older one", ckpt.name, error)
+
+
 def load_checkpoint(ckpt: Checkpoint, *, load_train_state: bool = True) -> tuple[dict, dict | None]:
-    """Verify, then load (model file dict, training state or None)."""
-    manifest = _verify(ckpt, train_state=load_train_state)
-    model_file = load(ckpt.path)
-    if not isinstance(model_file, dict) or "model" not in model_file:
-        raise CorruptCheckpointError(f"{ckpt.path} has no 'model' entry")
-    train_state = None
-    if load_train_state and manifest["files"].get("train_state") is not None:
-        train_state = load(ckpt.opt_path)
+    """Load (model file dict, training state or None), verified against the manifest.
+
+    The sha256 of the files is computed while they load (one read each from the page cache,
+    in parallel); nothing loaded is returned unless the digests match.
+    """
+    manifest = _read_manifest(ckpt)
+    files = _files_of(ckpt, manifest, train_state=load_train_state)
+    for path, entry in files:
+        _check_size(path, entry)
+    digests = _hash_in_background([path for path, _ in files])
+    try:
+        model_file = load(ckpt.path)
+        if not isinstance(model_file, dict) or "model" not in model_file:
+            raise CorruptCheckpointError(f"{ckpt.path} has no 'model' entry")
+        train_state = load(ckpt.opt_path) if len(files) > 1 else None
+    except Exception:
+        for (path, entry), digest in zip(files, digests()):
+            _check_digest(path, entry, digest)  # a hash mismatch is the better reason; else the load error
+        raise
+    for (path, entry), digest in zip(files, digests()):
+        _check_digest(path, entry, digest)
     return model_file, train_state
+
+
+def load_latest(prefix: str, *, load_train_state: bool = True) -> tuple[Checkpoint, dict, dict | None] | None:
+    """Load the newest checkpoint that loads and verifies: (checkpoint, model file, training state).
+
+    Like :func:`latest` followed by :func:`load_checkpoint`, but every file is read once (the hash is
+    computed while loading); a broken newer checkpoint is warned about and skipped.
+    """
+    for ckpt in reversed(list_checkpoints(prefix)):
+        try:
+            if not ckpt.complete:
+                raise CorruptCheckpointError("incomplete: no manifest (interrupted save or delete)")
+            return (ckpt, *load_checkpoint(ckpt, load_train_state=load_train_state))
+        except CorruptCheckpointError as e:
+            _warn_skipped(ckpt, e)
+    return None
 
 
 # ----------------------------------------------------------------------------------------------

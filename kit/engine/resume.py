@@ -154,11 +154,11 @@ def _find_train_start(config: Config) -> Start:
             start.epoch, start.first_train_epoch = start_epoch, False
             return start
         return _start_from(_epoch_checkpoint(prefix, start_epoch - 1, "start_epoch"), f"start_epoch={start_epoch}")
-    if prefix and (ckpt := checkpoints.latest(prefix)) is not None:
+    if prefix and (loaded := checkpoints.load_latest(prefix)) is not None:
         if load or config.typed_value("import_model_train_epoch1"):
             logger.info("resuming from the existing checkpoint %s; 'load' / 'import_model_train_epoch1' are ignored",
-                        ckpt.name)
-        return _start_from(ckpt, "resume")
+                        loaded[0].name)
+        return _start_from(loaded[0], "resume", loaded=loaded[1:])
     if config.typed_value("import_model_train_epoch1"):
         return _fresh_or_import(config, "fresh")
     if config.typed_value("load_epoch"):
@@ -175,8 +175,8 @@ def _find_eval_start(config: Config) -> Start:
     if config.typed_value("load_epoch"):
         ckpt = _epoch_checkpoint(prefix, int(config.typed_value("load_epoch")), "load_epoch")
         return _start_from(ckpt, "load_epoch", with_train_state=False)
-    if prefix and (ckpt := checkpoints.latest(prefix)) is not None:
-        return _start_from(ckpt, "newest checkpoint", with_train_state=False)
+    if prefix and (loaded := checkpoints.load_latest(prefix, load_train_state=False)) is not None:
+        return _start_from(loaded[0], "newest checkpoint", with_train_state=False, loaded=loaded[1:])
     return Start(first_train_epoch=False)
 
 
@@ -211,8 +211,9 @@ def _epoch_checkpoint(prefix: str | None, epoch: int, key: str) -> Any:
     return found[-1]
 
 
-def _start_from(ckpt: Any, source: str, *, with_train_state: bool = True) -> Start:
-    model_file, train_state = checkpoints.load_checkpoint(ckpt, load_train_state=with_train_state)
+def _start_from(ckpt: Any, source: str, *, with_train_state: bool = True, loaded: tuple | None = None) -> Start:
+    """Start from ``ckpt``; ``loaded`` = its (model file, training state) if already loaded."""
+    model_file, train_state = loaded or checkpoints.load_checkpoint(ckpt, load_train_state=with_train_state)
     step = int(model_file.get("step", ckpt.global_train_step or 0) or 0)
     if train_state is not None:
         progress = train_state.get("progress", {})
