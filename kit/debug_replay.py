@@ -336,6 +336,16 @@ def _bad_inputs(batch: Batch, model: torch.nn.Module) -> list[str]:
     return bad + [f"parameter {n}" for n, p in model.named_parameters() if _nonfinite(p)][:20]
 
 
+def _traced_backward(model: torch.nn.Module, total: torch.Tensor, tracer: _Tracer) -> list[str]:
+    """Backward of ``total`` under the tracer; the parameters whose gradients are non-finite."""
+    model.zero_grad(set_to_none=True)
+    tracer.phase = "backward"
+    with tracer.active():
+        total.backward()
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and _nonfinite(p.grad)]
+    return [f"gradient of {n}" for n in bad[:20]]
+
+
 def replay_step(engine: Any, ctx: DebugContext, *, anomaly: bool = True) -> ReplayReport:
     """Re-run forward and backward of exactly the captured step; name the op that made a NaN/Inf.
 
@@ -382,16 +392,7 @@ def replay_step(engine: Any, ctx: DebugContext, *, anomaly: bool = True) -> Repl
                 losses = stack_losses(run.losses).normalized()
                 nonfinite = [f"loss {k}" for k, v in losses.items() if not math.isfinite(v)]
                 if train and run.losses:
-                    total = run.total_loss()
-                    model.zero_grad(set_to_none=True)
-                    tracer.phase = "backward"
-                    with tracer.active():
-                        total.backward()
-                    nonfinite += [
-                        f"gradient of {n}"
-                        for n, p in model.named_parameters()
-                        if p.grad is not None and _nonfinite(p.grad)
-                    ][:20]
+                    nonfinite += _traced_backward(model, run.total_loss(), tracer)
         except Exception as exc:  # the report says what the step raised instead of raising it
             error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         finally:
