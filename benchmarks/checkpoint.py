@@ -1,6 +1,6 @@
 """Cost of a kit checkpoint (atomic writes, fsync, sha256 manifest, verified load) vs bare torch.save/load.
 
-Run: ``python benchmarks/checkpoint.py [--repeats N] [--width W]``. A ~100 MB model (fp32 Linear
+Run: ``python benchmarks/checkpoint.py [--repeats N] [--width W] [--dir D]``. A ~100 MB model (fp32 Linear
 layers) with a stepped Adam optimizer (its state is twice the model) is saved and loaded both ways,
 interleaved, in a temp dir; medians and ratios are printed. The kit save includes fsync of both
 files and the directory; the kit load includes sha256 verification of both files. sha256 (about
@@ -41,6 +41,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--width", type=int, default=2240)
     ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument(
+        "--dir", default=None, help="where to write (default: the temp dir; e.g. /dev/shm leaves the disk out)"
+    )
     args = ap.parse_args()
     model, opt = make(args.width, args.layers)
     n_params = sum(p.numel() for p in model.parameters())
@@ -51,7 +54,8 @@ def main() -> None:
     times: dict[str, list[float]] = {
         k: [] for k in ("bare save", "kit save", "kit nofsync", "bare load", "kit load", "verify")
     }
-    with tempfile.TemporaryDirectory(prefix="kit-bench-") as d:
+    with tempfile.TemporaryDirectory(prefix="kit-bench-", dir=args.dir) as d:
+        print(f"writing to {d}")
         bare_model, bare_opt = os.path.join(d, "bare.pt"), os.path.join(d, "bare.opt.pt")
         prefix = os.path.join(d, "model")
 
