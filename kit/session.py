@@ -198,18 +198,18 @@ class Session(TrainingLoop, Debugging):
             checkpoints.load_into_model(self.engine.model, self._stashed_state)
             self._stashed_state = None
         else:
-            ckpt = checkpoints.latest(self.config.typed_value("model") or "")
-            if ckpt is None:
+            loaded = checkpoints.load_latest(self.config.typed_value("model") or "")
+            if loaded is None:
                 raise SessionStateError("no weights kept in memory and no complete checkpoint to reload")
-            self._restore(ckpt)
+            self._restore(loaded[0], loaded[1:])
         self._inspecting = None
         self._mid_step = None
         self.status = "ready"
 
-    def _restore(self, ckpt: Any) -> None:
+    def _restore(self, ckpt: Any, loaded: tuple | None = None) -> None:
         self._training_parts()
         with self._world():
-            self.engine.restore(ckpt)
+            self.engine.restore(ckpt, loaded)
         self._history.truncate_after(self.engine.progress.global_train_step)
         self._inspecting = None
         self._stashed_state = None

@@ -167,6 +167,10 @@ def test_resume_reads_each_checkpoint_file_once(tmp_model_prefix, monkeypatch):
     resumed = kit.Session(tiny_config(str(tmp_model_prefix), num_epochs=3))
     resumed.train_step()  # resumes from epoch 2: verified while loaded, not before as well
     assert resumed.epoch == 3 and sorted(hashed) == ["model.002.opt.pt", "model.002.pt"]
+    hashed.clear()
+    resumed.reload_latest()  # no weights kept in memory: back to the newest checkpoint
+    assert (resumed.epoch, resumed.step_in_epoch) == (3, 0)
+    assert sorted(hashed) == ["model.002.opt.pt", "model.002.pt"]
 
 
 @pytest.mark.parametrize(

@@ -470,12 +470,13 @@ class Engine:
         self.events.emit("checkpoint_saved", checkpoint=ckpt)
         return ckpt
 
-    def restore(self, ckpt: Any) -> None:
-        """Rewind the whole training state (weights, optimizer, progress, data position, RNG, scores)."""
+    def restore(self, ckpt: Any, loaded: tuple[dict, dict | None] | None = None) -> None:
+        """Rewind the whole training state (weights, optimizer, progress, data position, RNG, scores);
+        ``loaded``: ``ckpt``'s (model file, training state) if already loaded and verified."""
         from kit import checkpoints
 
         self._ensure_training_parts()
-        model_file, state = checkpoints.load_checkpoint(ckpt)
+        model_file, state = loaded or checkpoints.load_checkpoint(ckpt)
         if state is None:
             raise KitError(f"checkpoint {ckpt.path} has no training state to restore; use load() to inspect it")
         checkpoints.load_into_model(self.model, model_file["model"])
