@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers.models import tiny_config
 from helpers.models import train_step as tiny_train_step
-from session_testlib import TESTS_DIR, LossRecorder, state, states_equal
+from session_testlib import LossRecorder, state, states_equal, write_config
 
 import kit
 import kit.fileio
@@ -119,22 +119,14 @@ def test_a_second_sigint_within_a_second_raises_and_the_session_asks_for_a_resto
 
 # ---- a real Jupyter kernel --------------------------------------------------------------------
 
-KERNEL_CONFIG = f"""\
-import os, sys, time
-sys.path.insert(0, {str(TESTS_DIR)!r})
+# the shared test config file (session_testlib.CONFIG_FILE) with more data, one more epoch and slow steps
+KERNEL_CONFIG_EXTRA = """
+import os, time
 import kit
-from helpers.models import get_model, forward_step
 from helpers.models import train_step as _tiny_train_step
 
-extern_data = {{"data": {{"shape": (None, 9)}}, "classes": {{"shape": (None,), "sparse_dim": 2}}}}
-train = {{"class": "Task12AXDataset", "num_seqs": 200, "seed": 1, "seq_ordering": "random"}}
-dev = {{"class": "Task12AXDataset", "num_seqs": 30, "seed": 2}}
-batch_size = 600
-max_seqs = 10
-optimizer = {{"class": "adam"}}
-learning_rate = 0.01
+train = {"class": "Task12AXDataset", "num_seqs": 200, "seed": 1, "seq_ordering": "random"}
 num_epochs = 4
-log_every_n_steps = 1000
 
 
 def train_step(*, model, extern_data, **kwargs):
@@ -226,9 +218,7 @@ def kernel():
 
 @pytest.fixture(scope="module")
 def kernel_config(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("kernel") / "config.py"
-    path.write_text(KERNEL_CONFIG)
-    return path
+    return write_config(tmp_path_factory.mktemp("kernel") / "config.py", KERNEL_CONFIG_EXTRA)
 
 
 @pytest.fixture(scope="module")
