@@ -1,8 +1,10 @@
 """Events: the training loop's extension points, and safe dispatch.
 
-Where each event fires, as the loop reads::
+Where each event fires, as the loop (:mod:`kit.engine.loop`) reads — the same for every
+driver (a Session's train_* calls, ``python -m kit train``, torchrun)::
 
-    train_begin                                   Engine.train / first train step
+    run_begin(goal)                               a driver starts stepping the loop
+    train_begin                                   the loop's first unit
     for epoch in epochs:
         epoch_begin(epoch, learning_rate)         LR set, RNG reseeded, data planned
         for batch in epoch:
@@ -15,10 +17,15 @@ Where each event fires, as the loop reads::
         eval_end(scores)                          {dataset: {score: value}}
         checkpoint_saved(checkpoint)              per save_interval
         epoch_end(epoch, scores)                  the epoch's full score row
-    train_end
-    exception(error, stage)                       any exception from user code
+    train_end                                     right after the final epoch's end
     interrupt(status)                             Session paused at a step boundary
+    run_end(outcome, error)                       the driver stops: "done", "paused" or "failed"
+    exception(error, stage)                       any exception from user code
     forward_end(result)
+
+``run_begin`` / ``run_end`` frame each driver call (one per ``train_step()`` call, one per
+``python -m kit train``); everything between them is the loop's. ``train_begin`` fires
+again only after a ``train_end`` (more epochs added with ``extend``).
 
 A subscriber that raises is reported once on the ``kit`` logger and detached: a broken
 view never breaks training.
@@ -33,6 +40,7 @@ from typing import Any
 logger = logging.getLogger("kit")
 
 EVENTS: tuple[str, ...] = (
+    "run_begin",
     "train_begin",
     "epoch_begin",
     "step_begin",
@@ -45,6 +53,7 @@ EVENTS: tuple[str, ...] = (
     "train_end",
     "exception",
     "interrupt",
+    "run_end",
     "forward_end",
 )
 

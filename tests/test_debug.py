@@ -484,14 +484,14 @@ def test_break_on_when_stops_at_every_match():
     assert stops == [("step", 1), ("step", 5), ("step", 9)]  # a context even without a hook
     assert params_equal_to(session, reference)
     session.break_on()  # clears
-    assert session._break_when is None and session._break_step is None
+    assert session.breakpoints.when is None and session.breakpoints.step is None
 
 
 @pytest.mark.parametrize("kept", [True, False])
 def test_a_hook_that_uses_randomness_does_not_change_training(kept, monkeypatch):
     reference = uninterrupted_params(num_epochs=2)
     if not kept:  # negative control: without putting the RNG states back, the run changes
-        monkeypatch.setattr(kit.debug.context, "rng_kept", contextlib.nullcontext)
+        monkeypatch.setattr(kit.engine.debugging, "rng_kept", contextlib.nullcontext)
 
     def noisy_hook(ctx):
         torch.rand(3), np.random.rand(), random.random()
@@ -644,3 +644,28 @@ def test_config_debug_hook_works_without_a_session():
     assert [c.event for c in recorder.calls] == ["before_train_loop", "exception"]
     assert recorder.calls[-1].global_train_step == 1 and engine.last_failure is recorder.calls[-1]
     assert Engine(kit.Config(config())).debugger is None  # no hook, no context building at all
+
+
+@pytest.mark.parametrize("patched", [True, False])
+def test_train_eval_and_replay_run_the_same_step_code(patched, monkeypatch):
+    """kit.engine.compute.forward is the one forward: a change there reaches training, eval and replay."""
+    from kit.engine import compute
+
+    real = compute.forward
+
+    def forward(engine, fn, ctx, batch):
+        def with_extra(**kwargs):
+            fn(**kwargs)
+            kit.get_run_ctx().mark_as_loss(torch.tensor(7.0), "extra")
+
+        real(engine, with_extra, ctx, batch)
+
+    if patched:  # negative control: without it no step marks "extra"
+        monkeypatch.setattr(compute, "forward", forward)
+    session = kit.Session(**config(num_epochs=1))
+    session.break_on(step=2)
+    ctx = session.train()
+    assert ("extra" in ctx.losses) is patched
+    report = session.replay(ctx)  # after a step break the weights are updated: losses differ, names do not
+    assert ("extra" in report.losses) is patched and report.losses.keys() == ctx.losses.keys()
+    assert ("eval_loss_extra" in session.eval(Task12AXDataset(20, seed=3))["eval"]) is patched

@@ -15,12 +15,18 @@ import hashlib
 import os
 import types
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 from kit.config.keys import KEYS, REPLACED_KEYS
 from kit.errors import ConfigError
 
 _MISSING = object()
+
+IntKeyWithoutDefault = Literal["max_seqs", "newbob_multi_update_interval", "save_every_n_steps", "load_epoch"]
+FloatKeyWithoutDefault = Literal[
+    "newbob_relative_error_grow_threshold", "newbob_learning_rate_decay", "gradient_clip",
+    "gradient_clip_global_norm", "gradient_clip_norm", "gradient_noise",
+]
 
 
 def suggest(name: str, choices: list[str] | None = None, cutoff: float = 0.75) -> str | None:
@@ -168,19 +174,31 @@ class Config(Mapping[str, Any]):
             return None
         return self.typed_value(key, default)
 
+    # Keys whose registry default is None read as ``X | None``; every other key as ``X``
+    # (tests/test_config.py checks these lists against the registry).
+    @overload
+    def int(self, key: IntKeyWithoutDefault, default: Any = ...) -> int | None: ...  # type: ignore[overload-overlap]
+    @overload
+    def int(self, key: str, default: Any = ...) -> int: ...
+
     def int(self, key: str, default: Any = _MISSING) -> int | None:
         v = self.typed_value(key, default)
         if isinstance(v, float) and not v.is_integer():
             raise ConfigError(f"config key '{key}': got {v!r}, expected an int")
         return None if v is None else self._convert(key, v, int)
 
+    @overload
+    def float(self, key: FloatKeyWithoutDefault, default: Any = ...) -> float | None: ...  # type: ignore[overload-overlap]
+    @overload
+    def float(self, key: str, default: Any = ...) -> float: ...
+
     def float(self, key: str, default: Any = _MISSING) -> float | None:
         v = self.typed_value(key, default)
         return None if v is None else self._convert(key, v, float)
 
-    def bool(self, key: str, default: Any = _MISSING) -> bool | None:
+    def bool(self, key: str, default: Any = _MISSING) -> bool:  # every bool key has a default
         v = self.typed_value(key, default)
-        if v is None or isinstance(v, bool):
+        if isinstance(v, bool):
             return v
         if isinstance(v, str) and v.lower() in ("true", "1", "yes", "false", "0", "no"):
             return v.lower() in ("true", "1", "yes")

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kit.debug.context import DEBUG_EVENTS, DebugContext, Debugger, rng_kept
 from kit.debug.hooks import DebugStop, capture, post_mortem, raise_
+from kit.engine.debugging import DEBUG_EVENTS, DebugContext, Debugger, rng_kept
 
 __all__ = ["DEBUG_EVENTS", "DebugContext", "DebugStop", "Debugger", "Finding", "ReplayReport", "capture",
            "post_mortem", "raise_", "replay", "rng_kept"]

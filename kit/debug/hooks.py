@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
+import os
+import sys
+import sysconfig
 from typing import Any
 
-from kit.debug.context import DebugContext, is_user_file
+import torch
+
+from kit.engine.debugging import DebugContext
 from kit.errors import KitError
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules["kit"])
+)
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether a frame of ``filename`` is user code (not torch, kit or the standard library)."""
+    if filename.startswith("<frozen") or filename.startswith(_LIBRARY_DIRS):
+        return False
+    return not (filename.startswith(_STDLIB) and "-packages" not in filename)
 
 
 class DebugStop(KitError):
@@ -19,9 +35,8 @@ class DebugStop(KitError):
 
 def capture(ctx: DebugContext) -> None:
     """Default hook: keep failures (and break points) as ``session.last_failure``."""
-    if ctx.event != "before_train_loop" and ctx.owner is not None:
-        with contextlib.suppress(ReferenceError):
-            ctx.owner.last_failure = ctx
+    if ctx.event != "before_train_loop":
+        ctx.keep()
 
 
 def raise_(ctx: DebugContext) -> None:

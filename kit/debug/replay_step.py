@@ -16,7 +16,7 @@ import math
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -24,8 +24,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from kit.data.batch import Batch
-from kit.debug.context import DebugContext, format_losses, is_user_file, rng_kept
+from kit.debug.hooks import is_user_file
+from kit.engine import compute
+from kit.engine.accounting import stack_losses
+from kit.engine.debugging import DebugContext, format_losses, rng_kept
 from kit.errors import KitError
+from kit.run_ctx import RunCtx
+
+if TYPE_CHECKING:
+    from kit.engine.engine import Engine
 
 
 @dataclass
@@ -341,15 +348,18 @@ def _traced_backward(model: torch.nn.Module, total: torch.Tensor, tracer: _Trace
     model.zero_grad(set_to_none=True)
     tracer.phase = "backward"
     with tracer.active():
-        total.backward()
+        # the engine's backward, unscaled: a float16 loss scale only moves the range, and its
+        # expected overflows (skipped by the scaler) would hide the op that made the NaN
+        compute.backward(total, None)
     bad = [n for n, p in model.named_parameters() if p.grad is not None and _nonfinite(p.grad)]
     return [f"gradient of {n}" for n in bad[:20]]
 
 
-def replay_step(engine: Any, ctx: DebugContext, *, anomaly: bool = True) -> ReplayReport:
+def replay_step(engine: Engine, ctx: DebugContext, *, anomaly: bool = True) -> ReplayReport:
     """Re-run forward and backward of exactly the captured step; name the op that made a NaN/Inf.
 
-    Same batch, same torch RNG state, same run context (epoch, step), same model; every op's
+    The step runs through the engine's own code (:mod:`kit.engine.compute`), as in training
+    and eval. Same batch, same torch RNG state, same run context (epoch, step), same model; every op's
     outputs are checked, the first non-finite one is reported with its module and source
     line. ``anomaly=True`` also traces a NaN/Inf that first appears in the backward to the
     forward op, module and line that created it (as torch's anomaly mode does, without
@@ -359,10 +369,6 @@ def replay_step(engine: Any, ctx: DebugContext, *, anomaly: bool = True) -> Repl
     """
     if ctx is None or ctx.batch is None:
         raise KitError("nothing to replay: no captured batch (none was captured, or it was released)")
-    from kit.engine import amp
-    from kit.engine.accounting import stack_losses
-    from kit.run_ctx import RunCtx, run_ctx_scope
-
     model, train = engine.model, ctx.stage == "train"
     fn = engine.config.typed_value("forward_step" if ctx.stage == "forward" else "train_step")
     batch = ctx.batch.to(engine.device)
@@ -386,13 +392,13 @@ def replay_step(engine: Any, ctx: DebugContext, *, anomaly: bool = True) -> Repl
                 torch.cuda.set_rng_state_all(ctx.rng_state[1])
         model.train(train)
         try:
-            with torch.set_grad_enabled(train), run_ctx_scope(run):
-                with tracer.active(), amp.autocast(engine.device, engine.amp_dtype):
-                    fn(model=model, extern_data=batch)
+            with torch.set_grad_enabled(train):
+                with tracer.active():
+                    compute.forward(engine, fn, run, batch)
                 losses = stack_losses(run.losses).normalized()
                 nonfinite = [f"loss {k}" for k, v in losses.items() if not math.isfinite(v)]
                 if train and run.losses:
-                    nonfinite += _traced_backward(model, run.total_loss(), tracer)
+                    nonfinite += _traced_backward(model, compute.total_loss(run), tracer)
         except Exception as exc:  # the report says what the step raised instead of raising it
             error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         finally:

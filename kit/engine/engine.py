@@ -1,34 +1,47 @@
 """``Engine``: RETURNN's PyTorch engine as a step machine.
 
-The Session (notebook), the CLI and torchrun all drive the same methods:
-``train_step`` (one micro-batch), ``finish_epoch`` (scores, eval, LR, checkpoint,
-cleanup), ``eval_model`` and ``forward``. Nothing here prints, draws or reads widgets;
-whoever wants to know subscribes to ``engine.events``.
+The Session (notebook), the CLI and torchrun all step through the same loop
+(:attr:`Engine.loop`, :mod:`kit.engine.loop`), whose units are ``train_step`` (one
+micro-batch) and ``finish_epoch`` (scores, eval, LR, checkpoint, cleanup); ``eval_model``
+and ``forward`` run the same forward code (:mod:`kit.engine.compute`). Nothing here prints,
+draws or reads widgets; whoever wants to know subscribes to ``engine.events``, and a
+debugger is reached through the typed :class:`~kit.engine.debugging.DebugProtocol`.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kit.config import Config
-from kit.engine import amp, distributed, parts, state
+from kit.data.batch import Batch
+from kit.engine import amp, compute, distributed, parts, state
 from kit.engine import start as start_
 from kit.engine.accounting import EpochAccounting, StepLosses, stack_losses
+from kit.engine.debugging import DebugContext, Debugger, DebugProtocol, RngState
 from kit.engine.device import select_device
 from kit.engine.evaluation import evaluate_dataset
+from kit.engine.loop import EpochDone, TrainingLoop
+from kit.engine.memory import MemoryFigures, MemoryMeter
 from kit.engine.progress import Progress
 from kit.engine.step import StepOptions, StepResult
-from kit.engine.user_code import annotate_exception, call_user, check_accepts_kwargs
+from kit.engine.user_code import call_user, check_accepts_kwargs
 from kit.errors import ConfigError, DataError, KitError, NonFiniteLossError
 from kit.events import Events
 from kit.rng import derive_seed, get_rng_state, seed_all, set_rng_state
-from kit.run_ctx import RunCtx, run_ctx_scope
+from kit.run_ctx import RunCtx
+from kit.scores import ScoreTable
+
+if TYPE_CHECKING:
+    from kit.checkpoints import Checkpoint
+    from kit.data.extern_data import ExternData
+    from kit.data.pipeline import Pipeline
+    from kit.engine.lr_control import LearningRateControl
+    from kit.engine.updater import Updater
 
 __all__ = ["Engine", "StepOptions", "StepResult"]
 
@@ -48,37 +61,69 @@ class Engine:
         # RETURNN's task: "eval" / "forward" load the weights of load / load_epoch, never a training state
         self.task = "train"
         self.progress = Progress()
+        self.loop = TrainingLoop(self)
         self.is_set_up = False
-        self.device: torch.device | None = None
+        self.device: torch.device | None = None  # chosen by the set-up
+        self.amp_dtype: torch.dtype | None = None
         self.dist: distributed.DistributedContext | None = None  # set up under torchrun
+        self.datasets: dict[str, Any] = {}  # config key ("train", "dev", "eval_datasets.<name>") -> dataset
+        self.extern_data: ExternData | None = None
         self.model: torch.nn.Module | None = None
-        self.updater: Any = None
+        self.updater: Updater | None = None
         self.grad_scaler: torch.amp.GradScaler | None = None
-        self.lr_control: Any = None
-        self.train_pipeline: Any = None
+        self.lr_control: LearningRateControl | None = None
+        self.train_pipeline: Pipeline | None = None
         self.accounting = EpochAccounting()
-        self.scores: Any = None
-        self._eval_pipelines: dict[str, Any] = {}
-        self._epoch_start_time = 0.0
-        self._epoch_lr = 0.0
-        self._step_lr = 0.0
-        self.last_checkpoint: Any = None
-        # a privileged subscriber (kit.debug.Debugger): called directly, so it may raise or stop
-        self.debugger: Any = None
+        self.scores: ScoreTable | None = None
+        self.memory: MemoryMeter | None = None
+        self.epoch_start_time = 0.0
+        self.epoch_learning_rate = 0.0  # the epoch's (LR control)
+        self.step_learning_rate = 0.0  # the last step's (dynamic_learning_rate may change it per step)
+        self.last_checkpoint: Checkpoint | None = None
+        self.last_failure: DebugContext | None = None  # what kit.debug.capture kept (no Session)
+        # a privileged subscriber: called directly, so it may raise or stop
+        self.debugger: DebugProtocol | None = None
         if config.typed_value("debug_hook") is not None:  # the CLI and torchrun too; a Session installs its own
-            from kit.debug import Debugger
-
-            self.debugger = Debugger(self, self, lambda: self.config.typed_value("debug_hook"))
-        self._step_rng: Any = None
-        self.last_batch: Any = None
+            self.debugger = Debugger(self, lambda: self.config.typed_value("debug_hook"), self.keep_failure)
+        self.step_rng_state: RngState | None = None  # the RNG right before the last step's user code
+        self.last_batch: Batch | None = None
         self._options: tuple[int, StepOptions] | None = None
+        self._final_epoch: int | None = None
         self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
+
+    def keep_failure(self, ctx: DebugContext) -> None:
+        self.last_failure = ctx
 
     # ---- set-up -----------------------------------------------------------------------
 
     @property
     def final_epoch(self) -> int:
-        return int(self.config.int("num_epochs"))
+        """The last epoch to train: the config's ``num_epochs``, unless a driver moved it (``Session.extend``)."""
+        return self._final_epoch if self._final_epoch is not None else self.config.int("num_epochs")
+
+    @final_epoch.setter
+    def final_epoch(self, epoch: int) -> None:
+        self._final_epoch = epoch
+
+    @property
+    def all_trained(self) -> bool:
+        """No epoch is running and the next one is past ``num_epochs``."""
+        p = self.progress
+        return not p.epoch_running and p.epoch > self.final_epoch
+
+    @property
+    def learning_rate(self) -> float | None:
+        """The learning rate the optimizer holds now; None before the optimizer exists."""
+        return self.updater.learning_rate if self.updater is not None else None
+
+    @property
+    def num_parameters(self) -> int | None:
+        """Elements of the model's parameters; None before the model is built."""
+        return sum(t.numel() for t in self.model.parameters()) if self.model is not None else None
+
+    def memory_now(self) -> MemoryFigures | None:
+        """Memory figures now (read when asked, never inside a step); None before set-up."""
+        return self.memory.now() if self.memory is not None else None
 
     @property
     def model_prefix(self) -> str | None:
@@ -93,6 +138,7 @@ class Engine:
         if self.dist:  # one process per device (cuda:LOCAL_RANK)
             self.device, reason = self.dist.device, f"{reason}; {self.dist}"
         logger.info("device: %s (%s)", self.device, reason)
+        self.memory = MemoryMeter(self.device)
         self.datasets = parts.build_datasets(self.config)
         self.extern_data = parts.build_extern_data(self.config)
         self.scores = parts.open_score_table(self.config)
@@ -107,12 +153,12 @@ class Engine:
         self.amp_dtype = amp.amp_dtype(self.config)
         self.is_set_up = True
         if start.train_state is not None:
-            self._ensure_training_parts()
+            self.ensure_training_parts()
             state.load_train_state(self, start.train_state)
         if start.needs_eval:
-            self._ensure_training_parts()
-            self._record_eval(start.epoch - 1, self.eval_model())
-            self._save_scores()
+            self.ensure_training_parts()
+            self.record_eval(start.epoch - 1, self.eval_model())
+            self.save_scores()
 
     def _create_model(self, epoch: int, step: int) -> torch.nn.Module:
         get_model = self.config.typed_value("get_model")
@@ -124,7 +170,7 @@ class Engine:
             raise ConfigError(f"config key 'get_model': returned {type(model).__name__}, expected a torch.nn.Module")
         return model.to(self.device)
 
-    def _ensure_training_parts(self) -> None:
+    def ensure_training_parts(self) -> None:
         """Optimizer, LR control and the train pipeline — only needed for training."""
         self.setup()
         if self.updater is not None:
@@ -156,7 +202,7 @@ class Engine:
 
     def train_step(self) -> StepResult | None:
         """Train on the next micro-batch of the current epoch; None once the epoch's data is used up."""
-        self._ensure_training_parts()
+        self.ensure_training_parts()
         p = self.progress
         if not p.epoch_running:
             self._begin_epoch()
@@ -170,8 +216,7 @@ class Engine:
         t0 = time.perf_counter()
         if self.events.has("step_begin"):
             self.events.emit("step_begin", epoch=p.epoch, step=p.step_in_epoch, batch=batch)
-        # the pipeline's batches are on the CPU: on a CPU device, .to() would only cost host time
-        batch_dev = batch if self.device.type == "cpu" else batch.to(self.device, non_blocking=True)
+        batch_dev = compute.to_device(batch, self.device)
         self.last_batch = batch  # a reference only: debug contexts of "step" breaks read it
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
@@ -181,15 +226,14 @@ class Engine:
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
-        self._step_rng = _torch_rng_state() if self.debugger is not None else None
+        self.step_rng_state = _torch_rng_state() if self.debugger is not None else None
         train_step, accum_multiple = opts.train_step, self._accum_grad_multiple_step(batch, opts)
         if self.dist:  # through DDP's forward; gradients sync on the last micro-batch of a window (or epoch)
             last = p.accum_count + 1 >= accum_multiple or batch.complete_frac == 1
             train_step = self.dist.train_step(train_step, sync=last)
-        self._run_user_step(train_step, ctx, batch_dev, stage="train")
-        total = self._total_loss(ctx)
+        compute.run_user_step(self, train_step, ctx, batch_dev, stage="train")
         # backward: scaled for float16; gradients of micro-batches are summed
-        (self.grad_scaler.scale(total) if self.grad_scaler else total).backward()
+        compute.backward(compute.total_loss(ctx), self.grad_scaler)
         p.accum_count += 1
         step_losses = stack_losses(ctx.losses)
         # update when the accumulation window is complete
@@ -198,8 +242,11 @@ class Engine:
             updated, grad_norm = self._update(step_losses, batch)
         # account: losses stay on the device
         self.accounting.add(step_losses)
+        # memory: the step's peak window closes (CUDA host counters; nothing is read elsewhere)
+        peak = self.memory.end_step()
         result = StepResult(p.epoch, p.step_in_epoch, p.global_train_step, lr, updated,
-                            time.perf_counter() - t0, batch.num_seqs, batch.complete_frac, step_losses, grad_norm)
+                            time.perf_counter() - t0, batch.num_seqs, batch.complete_frac, step_losses, grad_norm,
+                            peak)
         p.step_in_epoch += 1
         p.global_train_step += 1
         self.events.emit("step_end", result=result)
@@ -256,7 +303,7 @@ class Engine:
             epoch=p.epoch, step=p.step_in_epoch, nonfinite=bad)
         self.events.emit("nonfinite", error=error, batch=batch)
         if self.debugger is not None:
-            self.debugger.notify("nonfinite", error=error, batch=batch, step_losses=step_losses, rng=self._step_rng)
+            self.debugger.notify("nonfinite", error=error, batch=batch, step_losses=step_losses, rng=self.step_rng_state)
         if self.config.typed_value("nonfinite_policy") == "skip":
             p.consec_skipped_updates += 1
             p.skipped_updates_in_epoch += 1
@@ -269,23 +316,6 @@ class Engine:
         # the step does not count: counters stay where they were before it
         p.accum_count = 0
         raise error
-
-    def _total_loss(self, ctx: RunCtx) -> torch.Tensor:
-        try:
-            return ctx.total_loss()
-        except KitError as exc:
-            raise type(exc)(f"{exc} (config key 'train_step')") from None
-
-    def _run_user_step(self, fn: Callable, ctx: RunCtx, batch: Any, *, stage: str) -> None:
-        try:
-            with run_ctx_scope(ctx), amp.autocast(self.device, self.amp_dtype):
-                fn(model=self.model, extern_data=batch)
-        except Exception as exc:
-            annotate_exception(exc, stage=stage, model=self.model, batch=batch)
-            self.events.emit("exception", error=exc, stage=stage, batch=batch)
-            if self.debugger is not None:
-                self.debugger.notify("exception", error=exc, stage=stage, batch=batch, rng=self._step_rng)
-            raise
 
     def _accum_grad_multiple_step(self, batch: Any, opts: StepOptions) -> int:
         value = opts.accum_grad_multiple_step
@@ -300,14 +330,14 @@ class Engine:
         return self.progress.epoch - 1 + frac
 
     def _set_step_learning_rate(self, batch: Any, opts: StepOptions) -> float:
-        lr = self._epoch_lr
+        lr = self.epoch_learning_rate
         if opts.dynamic_learning_rate is not None:
             lr = self.lr_control.dynamic_learning_rate(
                 global_train_step=self.progress.global_train_step, epoch=self.progress.epoch,
-                epoch_continuous=self._epoch_continuous(batch), learning_rate=self._epoch_lr)
-        if lr != self._step_lr:
+                epoch_continuous=self._epoch_continuous(batch), learning_rate=self.epoch_learning_rate)
+        if lr != self.step_learning_rate:
             self.updater.set_learning_rate(lr)
-            self._step_lr = lr
+            self.step_learning_rate = lr
         return lr
 
     @staticmethod
@@ -320,9 +350,9 @@ class Engine:
 
     def _begin_epoch(self) -> None:
         p = self.progress
-        self._epoch_lr = float(self.lr_control.learning_rate_for_epoch(p.epoch))
-        self.updater.set_learning_rate(self._epoch_lr)
-        self._step_lr = self._epoch_lr
+        self.epoch_learning_rate = float(self.lr_control.learning_rate_for_epoch(p.epoch))
+        self.updater.set_learning_rate(self.epoch_learning_rate)
+        self.step_learning_rate = self.epoch_learning_rate
         # randomness depends on (random_seed, epoch, global step) only, not on process history
         # (and on the rank: DDP ranks must not all draw the same dropout masks)
         rank = (self.dist.rank,) if self.dist and self.dist.rank else ()  # rank 0 draws as one process
@@ -331,11 +361,11 @@ class Engine:
         self.accounting = EpochAccounting()
         p.epoch_running, p.steps_exhausted, p.step_in_epoch = True, False, 0
         p.skipped_updates_in_epoch, p.epoch_start_global_step = 0, p.global_train_step
-        self._epoch_start_time = time.time()
+        self.epoch_start_time = time.time()
         self.model.train()
         logger.info("start epoch %d, global train step %d, learning rate %g", p.epoch, p.global_train_step,
-                    self._epoch_lr)
-        self.events.emit("epoch_begin", epoch=p.epoch, learning_rate=self._epoch_lr)
+                    self.epoch_learning_rate)
+        self.events.emit("epoch_begin", epoch=p.epoch, learning_rate=self.epoch_learning_rate)
         if self.debugger is not None:
             self.debugger.notify("before_train_loop", batch=None)
 
@@ -356,12 +386,12 @@ class Engine:
         self.scores.set_scores(epoch, self.accounting.scores("train_loss_"),
                                errors=self.accounting.error_keys("train_loss_"))
         self.scores.set_meta(epoch, **self._epoch_meta())
-        self._record_eval(epoch, self.eval_model())
+        self.record_eval(epoch, self.eval_model())
         p.epoch, p.epoch_running, p.steps_exhausted, p.step_in_epoch = epoch + 1, False, False, 0
         if p.epoch <= self.final_epoch:  # newbob decides with this epoch's scores; stored when epoch e+1 starts,
             # so the score file holds exactly one row per finished epoch (as RETURNN's after a crash)
             logger.info("learning rate for epoch %d: %g", p.epoch, self.lr_control.calc_learning_rate_for_epoch(p.epoch))
-        self._save_scores()
+        self.save_scores()
         if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
             self.save_checkpoint(kind="epoch", epoch=epoch)
             if not self.dist or self.dist.is_main:
@@ -382,9 +412,9 @@ class Engine:
 
         meta = {
             "global_train_step": self.progress.global_train_step,
-            "effective_learning_rate": self._step_lr,
+            "effective_learning_rate": self.step_learning_rate,
             "epoch_num_train_steps": self.accounting.num_steps,
-            "epoch_train_time_secs": round(time.time() - self._epoch_start_time, 3),
+            "epoch_train_time_secs": round(time.time() - self.epoch_start_time, 3),
             "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "hostname": platform.node(),
             "device": str(self.device),
@@ -392,32 +422,30 @@ class Engine:
             "kit_version": kit.__version__,
             "skipped_updates": self.progress.skipped_updates_in_epoch,
         }
-        if self.device.type == "cuda":
-            meta["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        else:  # the process's peak resident memory (Linux reports KiB, macOS bytes)
-            import resource
-
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            meta["peak_memory_bytes"] = peak if sys.platform == "darwin" else peak * 1024
+        meta["peak_memory_bytes"] = self.memory.peak_bytes()
         return meta
 
-    def train_epoch(self, should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
-        """The rest of the current epoch and its end work; None when ``should_stop`` paused it."""
-        while self.train_step() is not None:
-            if should_stop is not None and should_stop():
-                return None
-        return self.finish_epoch()
+    def train_epoch(self, should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+        """The rest of the current epoch (or the next one) and its end work, through the loop;
+        None when ``should_stop`` stopped it first, or when every epoch is trained."""
+        self.ensure_training_parts()
+        with self.loop.driven("epoch") as outcome:
+            while (unit := self.loop.next_unit()) is not None:
+                if isinstance(unit, EpochDone):
+                    return unit.scores
+                if should_stop is not None and should_stop():
+                    outcome.value = "paused"
+                    return None
+        return None
 
     def train(self, should_stop: Callable[[], bool] | None = None) -> bool:
-        """Train up to ``num_epochs``; returns True when finished, False when paused."""
-        self._ensure_training_parts()
-        self.events.emit("train_begin")
-        while self.progress.epoch <= self.final_epoch or self.progress.epoch_running:
-            if self.train_epoch(should_stop) is None:
-                return False
-            if should_stop is not None and should_stop():
-                return self.progress.epoch > self.final_epoch
-        self.events.emit("train_end")
+        """Train up to ``num_epochs`` through the loop; True when finished, False when ``should_stop`` paused it."""
+        self.ensure_training_parts()
+        with self.loop.driven("train") as outcome:
+            while self.loop.next_unit() is not None:
+                if should_stop is not None and should_stop() and not self.all_trained:
+                    outcome.value = "paused"
+                    return False
         return True
 
     # ---- eval -------------------------------------------------------------------------
@@ -449,13 +477,15 @@ class Engine:
         self.events.emit("eval_end", scores=results)
         return results
 
-    def _record_eval(self, epoch: int, results: dict[str, dict[str, float]]) -> None:
+    def record_eval(self, epoch: int, results: dict[str, dict[str, float]]) -> None:
+        """Put eval results of ``epoch`` into the score table (error scores marked as such)."""
         for name, scores in results.items():
             self.scores.set_scores(epoch, scores, errors=self._eval_errors.get(name, set()))
 
     # ---- files ------------------------------------------------------------------------
 
-    def _save_scores(self) -> None:
+    def save_scores(self) -> None:
+        """Write the score file (rank 0 only: the others have no path)."""
         if self.scores.path:
             self.scores.save()
 
@@ -475,7 +505,7 @@ class Engine:
         ``loaded``: ``ckpt``'s (model file, training state) if already loaded and verified."""
         from kit import checkpoints
 
-        self._ensure_training_parts()
+        self.ensure_training_parts()
         model_file, saved = loaded or checkpoints.load_checkpoint(ckpt)
         if saved is None:
             raise KitError(f"checkpoint {ckpt.path} has no training state to restore; use load() to inspect it")
@@ -485,8 +515,8 @@ class Engine:
         p = self.progress
         self.scores.remove_epochs_after(p.epoch - 1)
         if p.epoch_running:
-            self.scores.set_learning_rate(p.epoch, self._epoch_lr)
-        self._save_scores()
+            self.scores.set_learning_rate(p.epoch, self.epoch_learning_rate)
+        self.save_scores()
         self.last_checkpoint = ckpt
 
     def forward(self, data: Any, callback: Any = None, *, seq_indices: list[int] | None = None) -> Any:
@@ -497,11 +527,9 @@ class Engine:
 
     def close(self) -> None:
         """Shut down data workers and drop the model and optimizer."""
-        for pipe in [self.train_pipeline, *self._eval_pipelines.values()]:
-            if pipe is not None:
-                pipe.close()
+        if self.train_pipeline is not None:
+            self.train_pipeline.close()
         self.train_pipeline = None
-        self._eval_pipelines.clear()
         self.model = self.updater = self.grad_scaler = None
         if self.dist:  # destroys the process group it created
             self.dist.close()

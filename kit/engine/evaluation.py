@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kit.engine import compute
 from kit.engine.accounting import EpochAccounting, stack_losses
 from kit.engine.user_code import check_accepts_kwargs
 from kit.errors import ConfigError, DataError
@@ -34,7 +35,7 @@ def evaluate_dataset(engine: Any, name: str, dataset: Any) -> tuple[dict[str, fl
         for batch in pipeline:
             ctx = RunCtx("eval", train_flag=False, epoch=p.epoch, step=acc.num_steps)
             batch_dev = batch.to(engine.device, non_blocking=True)
-            engine._run_user_step(train_step, ctx, batch_dev, stage=f"eval of {name!r}")
+            compute.run_user_step(engine, train_step, ctx, batch_dev, stage=f"eval of {name!r}")
             acc.add(stack_losses(ctx.losses))
     finally:
         pipeline.close()

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from kit.data.batch import Batch
-from kit.engine import amp
-from kit.engine.user_code import annotate_exception, check_accepts_kwargs
+from kit.engine import compute
+from kit.engine.user_code import check_accepts_kwargs
 from kit.errors import ConfigError
 from kit.rng import get_rng_state, set_rng_state
-from kit.run_ctx import RunCtx, run_ctx_scope
+from kit.run_ctx import RunCtx
 
 
 class ForwardResult(Mapping[str, dict[str, np.ndarray]]):
@@ -145,16 +145,12 @@ def _run(engine: Any, forward_step: Any, batch: Batch) -> dict[str, Any]:
                  expected_outputs=engine.config.typed_value("model_outputs"))
     batch_dev = batch.to(engine.device, non_blocking=True)
     try:
-        with run_ctx_scope(ctx), amp.autocast(engine.device, engine.amp_dtype):
-            forward_step(model=engine.model, extern_data=batch_dev)
+        compute.forward(engine, forward_step, ctx, batch_dev)
         ctx.check_outputs()
-    except torch.cuda.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:  # not a user error: the caller splits the batch
         raise
     except Exception as exc:
-        annotate_exception(exc, stage="forward", model=engine.model, batch=batch)
-        engine.events.emit("exception", error=exc, stage="forward", batch=batch)
-        if engine.debugger is not None:
-            engine.debugger.notify("exception", error=exc, stage="forward", batch=batch, rng=None)
+        compute.report_user_error(engine, exc, stage="forward", batch=batch, rng=None)
         raise
     return dict(ctx.outputs)
 

@@ -69,22 +69,20 @@ class LearningRateControl:
             )
         self.name = name
         self.kind = CONTROL_KINDS[name]
-        self.default_learning_rate = float(config.float("learning_rate"))
-        self.min_learning_rate = float(config.float("min_learning_rate") or 0.0)
+        self.default_learning_rate = config.float("learning_rate")
+        self.min_learning_rate = config.float("min_learning_rate")
         self.predefined = _predefined_learning_rates(config.typed_value("learning_rates"))
         self.error_measure = config.typed_value("learning_rate_control_error_measure")
-        self.relative_to_lr = bool(config.bool("learning_rate_control_relative_error_relative_lr"))
-        self.min_num_epochs_per_new_lr = int(
-            config.int("learning_rate_control_min_num_epochs_per_new_lr") or 0
-        )
-        self.relative_error_div_by_old = bool(config.bool("newbob_relative_error_div_by_old"))
+        self.relative_to_lr = config.bool("learning_rate_control_relative_error_relative_lr")
+        self.min_num_epochs_per_new_lr = config.int("learning_rate_control_min_num_epochs_per_new_lr")
+        self.relative_error_div_by_old = config.bool("newbob_relative_error_div_by_old")
         self.decay = _decay_setting(config)
-        self.growth = float(config.float("learning_rate_growth"))
-        self.relative_error_threshold = float(config.float("newbob_relative_error_threshold"))
+        self.growth = config.float("learning_rate_growth")
+        self.relative_error_threshold = config.float("newbob_relative_error_threshold")
         grow = config.float("newbob_relative_error_grow_threshold")
         self.relative_error_grow_threshold = self.relative_error_threshold if grow is None else float(grow)
-        self.error_threshold = float(config.float("newbob_error_threshold"))
-        self.multi_num_epochs = int(config.int("newbob_multi_num_epochs"))
+        self.error_threshold = config.float("newbob_error_threshold")
+        self.multi_num_epochs = config.int("newbob_multi_num_epochs")
         interval = config.int("newbob_multi_update_interval")
         self.multi_update_interval = self.multi_num_epochs if interval is None else int(interval)
         self._dynamic = config.typed_value("dynamic_learning_rate")
@@ -308,8 +306,8 @@ def _predefined_learning_rates(value: Any) -> dict[int, float]:
 
 def _decay_setting(config: Config) -> float:
     if config.has("learning_rate_decay") or not config.has("newbob_learning_rate_decay"):
-        return float(config.float("learning_rate_decay"))
-    return float(config.float("newbob_learning_rate_decay"))
+        return config.float("learning_rate_decay")
+    return config.float("newbob_learning_rate_decay")
 
 
 def _check_dynamic_lr(fn: Callable[..., Any]) -> None:

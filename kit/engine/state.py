@@ -7,15 +7,19 @@ sums, an open accumulation window's gradients and the RNG states.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kit import checkpoints
 from kit.rng import get_rng_state, set_rng_state
 
+if TYPE_CHECKING:
+    from kit.checkpoints import Checkpoint
+    from kit.engine.engine import Engine
 
-def train_state(engine: Any) -> dict[str, Any]:
+
+def train_state(engine: Engine) -> dict[str, Any]:
     """Everything besides the weights that a bit-exact continuation needs."""
     p = engine.progress
     state: dict[str, Any] = {
@@ -25,7 +29,7 @@ def train_state(engine: Any) -> dict[str, Any]:
         "pipeline": engine.train_pipeline.state_dict() if engine.train_pipeline and p.epoch_running else None,
         "accounting": engine.accounting.state_dict() if p.epoch_running else None,
         "rng": get_rng_state(),
-        "learning_rate": {"epoch": engine._epoch_lr, "step": engine._step_lr},
+        "learning_rate": {"epoch": engine.epoch_learning_rate, "step": engine.step_learning_rate},
         "grads": None,
         # a copy of the score table (the LR control's state) in case the file is lost; JSON text,
         # so that no meta value (e.g. torch's TorchVersion) needs an unpickling allow-list
@@ -39,7 +43,7 @@ def train_state(engine: Any) -> dict[str, Any]:
     return state
 
 
-def load_train_state(engine: Any, state: dict[str, Any]) -> None:
+def load_train_state(engine: Engine, state: dict[str, Any]) -> None:
     """Put a :func:`train_state` back: optimizer, scaler, LR, data position, open window, RNG."""
     p = engine.progress
     p.load_state_dict(state["progress"])
@@ -53,9 +57,9 @@ def load_train_state(engine: Any, state: dict[str, Any]) -> None:
     if state.get("lr_control") is not None and hasattr(engine.lr_control, "load_state_dict"):
         engine.lr_control.load_state_dict(state["lr_control"])
     lr = state.get("learning_rate") or {}
-    engine._epoch_lr, engine._step_lr = float(lr.get("epoch", 0.0)), float(lr.get("step", 0.0))
+    engine.epoch_learning_rate, engine.step_learning_rate = float(lr.get("epoch", 0.0)), float(lr.get("step", 0.0))
     if p.epoch_running:
-        engine.updater.set_learning_rate(engine._step_lr)
+        engine.updater.set_learning_rate(engine.step_learning_rate)
         engine.train_pipeline.load_state_dict(state["pipeline"])
         if getattr(engine, "dist", None) is None or engine.dist.is_main:  # rank 0 saved the sums of all ranks
             engine.accounting.load_state_dict(state["accounting"], engine.device)
@@ -67,7 +71,7 @@ def load_train_state(engine: Any, state: dict[str, Any]) -> None:
     set_rng_state(state["rng"])
 
 
-def save(engine: Any, *, kind: str, epoch: int | None) -> Any:
+def save(engine: Engine, *, kind: str, epoch: int | None) -> Checkpoint:
     p = engine.progress
     return checkpoints.save(
         engine.model_prefix,
@@ -75,16 +79,20 @@ def save(engine: Any, *, kind: str, epoch: int | None) -> Any:
         model_state=engine.model.state_dict(),
         train_state=train_state(engine),
         global_train_step=p.global_train_step,
-        effective_learning_rate=engine._step_lr,
+        effective_learning_rate=engine.step_learning_rate,
         kind=kind,
         config_digest=engine.config.digest(),
     )
 
 
-def cleanup(engine: Any) -> list[Any]:
+def cleanup(engine: Engine, *, dry_run: bool = False) -> list[Checkpoint]:
+    """``cleanup_old_models`` after an epoch's save: the scores it keeps the best by (no train scores)
+    and the newest checkpoint protected; ``dry_run``: what it would remove (the browser's preview)."""
     options = engine.config.typed_value("cleanup_old_models")
-    if not options:
+    if not options or engine.scores is None or not engine.model_prefix:
         return []
+    if dry_run:
+        options = {**({} if options is True else dict(options)), "dry_run": True}
     table = engine.scores
     scores = {e: {k: v for k, v in table.scores(e).items() if not k.startswith("train_")} for e in table.epochs}
     protect = [engine.last_checkpoint] if engine.last_checkpoint is not None else []

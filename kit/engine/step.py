@@ -30,6 +30,7 @@ class StepResult:
     complete_frac: float | None
     step_losses: StepLosses
     grad_norm: torch.Tensor | None = None
+    memory_peak: int | None = None  # bytes: the step's CUDA peak (None on other devices)
 
     @property
     def losses(self) -> dict[str, float]:
@@ -58,7 +59,7 @@ class StepOptions:
             train_step=config.typed_value("train_step"),
             accum_grad_multiple_step=config.typed_value("accum_grad_multiple_step"),
             dynamic_learning_rate=config.typed_value("dynamic_learning_rate"),
-            guard=bool(config.bool("stop_on_nonfinite_train_score")),
+            guard=config.bool("stop_on_nonfinite_train_score"),
             log_every=1 if config.int("log_verbosity") >= 4 else config.int("log_every_n_steps"),
             save_every=(config.int("save_every_n_steps") or 0) if config.typed_value("model") else 0,
         )

@@ -113,7 +113,7 @@ class Updater:
     def __init__(self, config: Config, model: torch.nn.Module):
         self.config = config
         self.model = model
-        self.learning_rate: float = float(config.float("learning_rate"))
+        self.learning_rate: float = config.float("learning_rate")
         self._grad_clip = config.float("gradient_clip")
         self._grad_clip_norm = _clip_norm_setting(config)
         self._grad_noise = config.float("gradient_noise")

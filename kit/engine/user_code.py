@@ -71,7 +71,7 @@ def module_call_stack(tb: types.TracebackType | None, model: torch.nn.Module | N
 def annotate_exception(exc: BaseException, *, stage: str, model: torch.nn.Module | None,
                        batch: Any = None) -> BaseException:
     """Append the module call stack and a batch summary to ``exc``, keeping its type."""
-    if getattr(exc, "_kit_annotated", False):
+    if hasattr(exc, "kit_details"):  # annotated already (eval inside a train step, say)
         return exc
     parts = [f"kit: error in user code during {stage}"]
     stack = module_call_stack(exc.__traceback__, model)
@@ -87,6 +87,5 @@ def annotate_exception(exc: BaseException, *, stage: str, model: torch.nn.Module
         exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
     elif hasattr(exc, "add_note"):
         exc.add_note(note)
-    exc._kit_annotated = True  # type: ignore[attr-defined]
     exc.kit_details = note  # type: ignore[attr-defined]
     return exc

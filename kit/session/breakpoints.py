@@ -1,49 +1,63 @@
-"""Debugging calls of a :class:`kit.Session`: break points, replay, release (see :mod:`kit.debug`)."""
+"""Break points and failures of a :class:`kit.Session`: ``break_on``, ``last_failure``, ``replay``, ``release``.
+
+A break point stops a train_* call after a matching step and returns the step's
+:class:`~kit.debug.DebugContext` (also passed to the session's ``debug_hook`` as event
+``"step"``); the next train_* call continues the same epoch.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
-from kit.engine.engine import StepResult
+from kit.engine.debugging import DebugContext, Debugger, Hook
+from kit.engine.step import StepResult
 from kit.errors import SessionStateError
 
+if TYPE_CHECKING:
+    from kit.debug.replay_step import ReplayReport
+    from kit.engine.engine import Engine
 
-class Debugging:
-    """Mixin of :class:`kit.Session`: ``break_on``, ``replay``, ``release``."""
 
-    def break_on(self, step: int | None = None, *, when: Callable[[StepResult], bool] | None = None) -> None:
-        """Stop a train_* call after global step ``step`` (or after any step where ``when(result)``).
+class Breakpoints:
+    """Where to stop, the session's debugger, and the failure it kept last."""
 
-        The call returns the ``DebugContext`` (also passed to ``debug_hook`` as event
-        ``"step"``); the next train_* call continues the same epoch. ``break_on()`` clears.
-        """
-        self._break_step, self._break_when = step, when
+    def __init__(self, engine: Engine, hook_getter: Callable[[], Hook | None]):
+        self.engine = engine
+        self.step: int | None = None
+        self.when: Callable[[StepResult], bool] | None = None
+        self.last_failure: DebugContext | None = None
+        self.debugger = Debugger(engine, hook_getter, self.keep)
+        engine.debugger = self.debugger
 
-    def _break_matches(self, result: StepResult) -> bool:
-        if self._break_step is not None and result.global_train_step == self._break_step:
-            self._break_step = None
-            return True
-        return self._break_when is not None and bool(self._break_when(result))
-
-    def _break_here(self, result: StepResult) -> Any:
-        ctx = self.engine.debugger.context(
-            "step", batch=self.engine.last_batch, step_losses=result.step_losses, rng=None
-        )
-        self.engine.debugger.call_hook(ctx)  # RNG states put back afterwards: a hook never changes training
+    def keep(self, ctx: DebugContext) -> None:
+        """Where :func:`kit.debug.capture` puts a context: ``session.last_failure``."""
         self.last_failure = ctx
-        self.status = "paused"
+
+    def set(self, step: int | None, when: Callable[[StepResult], bool] | None) -> None:
+        self.step, self.when = step, when
+
+    def matches(self, result: StepResult) -> bool:
+        """Whether to stop after this step (a step break point matches once)."""
+        if self.step is not None and result.global_train_step == self.step:
+            self.step = None
+            return True
+        return self.when is not None and bool(self.when(result))
+
+    def stop_here(self, result: StepResult) -> DebugContext:
+        """The context of the step that just ran, shown to the hook (RNG states put back afterwards)."""
+        ctx = self.debugger.context("step", batch=self.engine.last_batch, step_losses=result.step_losses, rng=None)
+        self.debugger.call_hook(ctx)  # a hook never changes training
+        self.last_failure = ctx
         return ctx
 
-    def replay(self, ctx: Any = None, *, anomaly: bool = True) -> Any:
-        """Re-run exactly the captured step and report the first op/module producing NaN/Inf."""
+    def replay(self, ctx: DebugContext | None, *, anomaly: bool) -> ReplayReport:
         from kit import debug
 
         ctx = ctx if ctx is not None else self.last_failure
         if ctx is None:
             raise SessionStateError("nothing to replay: session.last_failure is empty (no failure captured)")
-        with self._world():
-            return debug.replay(self.engine, ctx, anomaly=anomaly)
+        return debug.replay(self.engine, ctx, anomaly=anomaly)
 
     def release(self) -> None:
         """Free the batch and device tensors held by the last captured failure."""

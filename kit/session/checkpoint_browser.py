@@ -9,12 +9,16 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kit import checkpoints
+from kit.engine import state as engine_state
 from kit.errors import CheckpointError, CorruptCheckpointError, SessionStateError
+
+if TYPE_CHECKING:
+    from kit.session.facade import Session
 
 # verification hashes whole files: remember results per (path, size, mtime)
 _VERIFIED: dict[tuple, bool] = {}
@@ -29,7 +33,9 @@ def _stat_key(path: str) -> tuple[int, int] | None:
 
 
 class CheckpointBrowser:
-    def __init__(self, session: Any):
+    """``session.checkpoints``: the checkpoint files under the session's ``model`` prefix."""
+
+    def __init__(self, session: Session):
         self._session = session
         self.prefix: str = session.config.typed_value("model") or ""
 
@@ -72,16 +78,8 @@ class CheckpointBrowser:
 
         scores = self._session.score_table
         ckpts = self.list()
-        would_remove = set()
-        options = self._session.config.typed_value("cleanup_old_models")
-        if options and ckpts:
-            # the same scores and protection as the cleanup at each epoch end (kit.engine.state.cleanup)
-            score_map = {e: {k: v for k, v in scores.scores(e).items() if not k.startswith("train_")}
-                         for e in scores.epochs}
-            preview = {**({} if options is True else dict(options)), "dry_run": True}
-            last = self._session.engine.last_checkpoint
-            would_remove = {c.path for c in checkpoints.cleanup(self.prefix, preview, scores=score_map,
-                                                                 protect=[last] if last is not None else [])}
+        # the cleanup each epoch end runs, as a dry run: same scores, same protection
+        would_remove = {c.path for c in engine_state.cleanup(self._session.engine, dry_run=True)} if ckpts else set()
         rows = []
         for c in ckpts:
             row = {"name": c.name, "kind": c.kind, "epoch": c.epoch, "global_train_step": c.global_train_step,
@@ -103,14 +101,8 @@ class CheckpointBrowser:
     def load(self, which: Any) -> checkpoints.Checkpoint:
         """Put a checkpoint's weights into the model for inspection; training state untouched."""
         ckpt = self._usable(which)
-        session = self._session
         model_file, _ = checkpoints.load_checkpoint(ckpt, load_train_state=False)
-        model = session.model
-        if session._stashed_state is None:
-            session._stashed_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        checkpoints.load_into_model(model, model_file["model"])
-        session._inspecting = f"checkpoint {ckpt.name}"
-        session.status = f"inspecting {ckpt.name}"
+        self._session.inspect(ckpt.name, model_file["model"])
         print(f"loaded the weights of {ckpt.name} for inspection; training state untouched. "
               "train_* refuses until session.checkpoints.restore(...) or session.reload_latest()")
         return ckpt
@@ -118,8 +110,7 @@ class CheckpointBrowser:
     def restore(self, which: Any) -> checkpoints.Checkpoint:
         """Rewind the whole training state (weights, optimizer, progress, data, RNG, scores)."""
         ckpt = self._usable(which)
-        self._session._restore(ckpt)
-        self._session.status = "ready"
+        self._session.restore(ckpt)
         return ckpt
 
     def _usable(self, which: Any) -> checkpoints.Checkpoint:
@@ -136,7 +127,8 @@ class CheckpointBrowser:
 
     def delete(self, which: Any) -> None:
         ckpt = self.find(which)
-        if self._session.engine.last_checkpoint is not None and ckpt.path == self._session.engine.last_checkpoint.path:
+        last = self._session.last_checkpoint
+        if last is not None and ckpt.path == last.path:
             raise SessionStateError(f"{ckpt.name} is the session's newest checkpoint; it is kept")
         checkpoints.delete(ckpt)
 

@@ -5,40 +5,55 @@
 >>> session.train_steps(100)   # continues where the last call stopped
 >>> session.train_epoch()      # rest of the epoch, eval, checkpoint → scores
 
-Every call runs the same :class:`kit.Engine` methods as the CLI. A session is a world of
-its own: its RNG states are swapped in around its work, so two sessions stepped in turns
-in one kernel each get exactly what they would get alone.
+The facade over objects it owns: the engine (whose loop every call steps through, as the
+CLI does), the loop driver (:mod:`kit.session.loop`), the break points and debugger
+(:mod:`kit.session.breakpoints`), the lifecycle (:mod:`kit.session.lifecycle`: status, inspection), the world of RNG
+states and torch defaults (:mod:`kit.session.world`) and the per-step history
+(:mod:`kit.session.history`). Views read it through the typed properties below and its
+events, never through the engine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from kit.config import Config
-from kit.engine.engine import Engine, StepResult
-from kit.errors import ConfigError, KitError, SessionStateError
+from kit.engine.debugging import DebugContext, Hook
+from kit.engine.engine import Engine
+from kit.engine.memory import MemoryFigures
+from kit.engine.progress import Progress
+from kit.engine.step import StepResult
+from kit.errors import ConfigError, SessionStateError
 from kit.events import Events
-from kit.session.breakpoints import Debugging
+from kit.scores import ScoreTable
+from kit.session.breakpoints import Breakpoints
 from kit.session.history import History
-from kit.session.interrupts import InterruptGuard
 from kit.session.ipython_refs import drop_stored_references
-from kit.session.loop import Paused, TrainingLoop
+from kit.session.lifecycle import SessionState, Status
+from kit.session.loop import LoopDriver, Paused, check_n
+from kit.session.seq_tags import UnknownSeqTagError, resolve_tags
 from kit.session.world import World
 
-__all__ = ["Paused", "Session"]
+if TYPE_CHECKING:
+    from kit.checkpoints import Checkpoint
+    from kit.debug.replay_step import ReplayReport
+    from kit.session.checkpoint_browser import CheckpointBrowser
+
+__all__ = ["Paused", "Session", "Status", "UnknownSeqTagError"]
 
 logger = logging.getLogger("kit")
 
 
-class Session(TrainingLoop, Debugging):
+class Session:
     """Drive the engine step by step from a notebook.
 
     ``Session(**config_keys)``, ``Session(config)`` and ``Session(config=config)`` are the
@@ -61,30 +76,20 @@ class Session(TrainingLoop, Debugging):
         else:
             raise TypeError(f"Session(config=...): expected a kit.Config or a dict of config keys, got "
                             f"{type(config).__name__}; for a config file use kit.Session.from_config(path)")
-        self.events = Events()
-        self.engine = Engine(self.config, events=self.events)
-        self._history = History(max_rows=history_max_rows)
-        self.events.on("step_end", self._history.on_step_end)
-        self.live = live
-        self._live_dashboard: Any = None
         from kit import debug
 
+        self.events = Events()
+        self.engine = Engine(self.config, events=self.events)
+        self.history_store = History(max_rows=history_max_rows)  # the one per-step store; views read it
+        self.history_store.subscribe(self.events)
+        self.live = live
+        self.live_dashboard: Any = None  # the dashboard ``live=True`` shows (one per session)
         # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
-        self.debug_hook: Callable[..., Any] | None = self.config.typed_value("debug_hook") or debug.capture
-        self.last_failure: Any = None
-        self.engine.debugger = debug.Debugger(self.engine, self, lambda: self.debug_hook)
-        self._break_step: int | None = None
-        self._break_when: Callable[[StepResult], bool] | None = None
-        self._guard = InterruptGuard()
+        self.debug_hook: Hook | None = self.config.typed_value("debug_hook") or debug.capture
+        self.breakpoints = Breakpoints(self.engine, lambda: self.debug_hook)
+        self.driver = LoopDriver(self)
+        self.lifecycle = SessionState()
         self.world = World()  # this session's RNG states and torch defaults, swapped in around its work
-        self._inspecting: str | None = None  # set by checkpoints.load(): weights are not the training state
-        self._stashed_state: dict | None = None
-        self._mid_step: str | None = None
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        self._background: dict[str, Any] = {}
-        self.yield_every_secs = 0.05  # async variants yield to the kernel at most this often
-        self.status = "ready"
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, /, **overrides: Any) -> Session:
@@ -95,111 +100,278 @@ class Session(TrainingLoop, Debugging):
     # ---- the session's world ----------------------------------------------------------
 
     @contextlib.contextmanager
-    def _world(self) -> Iterator[None]:
-        """This session's RNG states and torch defaults in, the caller's back afterwards (see :mod:`kit.session.world`)."""
-        if self._closed:
+    def entered(self) -> Iterator[None]:
+        """This session's RNG states and torch defaults in, the caller's back afterwards (:mod:`kit.session.world`)."""
+        if self.lifecycle.status is Status.CLOSED:
             raise SessionStateError("this session is closed; create a new one")
         with self.world.entered():
             yield
 
-    def _setup(self) -> None:
-        with self._world():
+    def setup(self) -> None:
+        """Device, datasets, score table and model (resumed or fresh); cheap once done."""
+        with self.entered():
             self.engine.setup()
-            self._history.device = self.engine.device
+            self.history_store.memory_source = self.engine.memory_now
 
-    # ---- position and parts -----------------------------------------------------------
+    def ensure_training_parts(self) -> None:
+        """:meth:`setup`, then the optimizer, LR control and train pipeline."""
+        with self.entered():
+            self.engine.ensure_training_parts()
+            self.history_store.memory_source = self.engine.memory_now
+
+    # ---- position and parts (built on first use) --------------------------------------
 
     @property
     def model(self) -> torch.nn.Module:
         """The user's model (what ``get_model`` returned)."""
-        self._setup()
-        return self.engine.model
+        self.setup()
+        return _built(self.engine.model)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        self._training_parts()
-        return self.engine.updater.optimizer
+        self.ensure_training_parts()
+        return _built(self.engine.updater).optimizer
 
     @property
     def epoch(self) -> int:
         """The epoch being trained, or the next one when none is running."""
-        self._setup()
+        self.setup()
         return self.engine.progress.epoch
 
     @property
     def global_train_step(self) -> int:
         """Train steps (micro-batches) done so far."""
-        self._setup()
+        self.setup()
         return self.engine.progress.global_train_step
 
     @property
     def step_in_epoch(self) -> int:
-        self._setup()
+        self.setup()
         return self.engine.progress.step_in_epoch
 
     @property
-    def progress(self) -> Any:
-        self._setup()
+    def progress(self) -> Progress:
+        """The engine's live counters (where training stands)."""
+        self.setup()
         return self.engine.progress
 
     @property
     def device(self) -> torch.device:
-        self._setup()
+        self.setup()
         return self.engine.device
 
     @property
     def learning_rate(self) -> float:
-        self._training_parts()
-        return self.engine.updater.learning_rate
+        self.ensure_training_parts()
+        return _built(self.engine.updater).learning_rate
 
-    def _training_parts(self) -> None:
-        with self._world():
-            self.engine._ensure_training_parts()
-            self._history.device = self.engine.device
+    # ---- what views read (no side effects: nothing is built) ----------------------------
+
+    def progress_snapshot(self) -> Progress:
+        """A copy of the counters now (resumed position only after set-up)."""
+        return dataclasses.replace(self.engine.progress)
+
+    @property
+    def current_learning_rate(self) -> float | None:
+        """The optimizer's learning rate; None before it exists."""
+        return self.engine.learning_rate
+
+    @property
+    def num_parameters(self) -> int | None:
+        """Parameter elements of the model; None before it is built."""
+        return self.engine.num_parameters
+
+    @property
+    def model_class(self) -> str | None:
+        return type(self.engine.model).__name__ if self.engine.model is not None else None
+
+    @property
+    def device_if_set_up(self) -> torch.device | None:
+        return self.engine.device if self.engine.is_set_up else None
+
+    @property
+    def score_table_if_set_up(self) -> ScoreTable | None:
+        return self.engine.scores
+
+    def memory(self) -> MemoryFigures | None:
+        """Memory figures now, from the engine's meter (None before set-up)."""
+        return self.engine.memory_now()
+
+    @property
+    def final_epoch(self) -> int:
+        """The last epoch ``train()`` goes to (``num_epochs``, or as ``extend`` / ``train(n)`` moved it)."""
+        return self.engine.final_epoch
+
+    @property
+    def state(self) -> Status:
+        """What the session does, as an enum (what views switch on)."""
+        return self.lifecycle.status
+
+    @property
+    def status(self) -> str:
+        """What the session does, as a line (``"ready"``, ``"error: RuntimeError: ..."``, ``"inspecting model.003"``)."""
+        return self.lifecycle.text
+
+    @property
+    def last_checkpoint(self) -> Checkpoint | None:
+        return self.engine.last_checkpoint
+
+    @property
+    def last_failure(self) -> DebugContext | None:
+        """The last failure or break point the debug hook kept (:func:`kit.debug.capture`)."""
+        return self.breakpoints.last_failure
+
+    @last_failure.setter
+    def last_failure(self, ctx: DebugContext | None) -> None:
+        self.breakpoints.last_failure = ctx
+
+    # ---- training -----------------------------------------------------------------------
+
+    def train_step(self) -> StepResult | Paused | DebugContext | None:
+        """One step of the current epoch (rolling into the next epoch when this one is done)."""
+        return self.driver.run("steps", lambda: self.driver.units("steps", 1), live=None, allow_finished=False)
+
+    def train_steps(self, n: int) -> StepResult | Paused | DebugContext | None:
+        """``n`` more steps, continuing where the last call stopped; returns the last StepResult."""
+        return self.driver.run("steps", lambda: self.driver.units("steps", check_n(n)), live=None,
+                               allow_finished=False)
+
+    def train_epoch(self, *, live: bool | None = None) -> Any:
+        """Finish the current epoch (or train the next one): steps, scores, eval, checkpoint, LR."""
+        return self.driver.run("epoch", lambda: self.driver.units("epoch"), live=live, allow_finished=False)
+
+    def train(self, num_epochs: int | None = None, *, live: bool | None = None) -> Any:
+        """Train up to epoch ``num_epochs`` (default: the config's); returns the last epoch's scores.
+
+        ``num_epochs`` becomes the final epoch, raised or lowered; it cannot be below an
+        epoch that is already trained or running.
+        """
+        if num_epochs is not None:
+            self.driver.set_final_epoch(num_epochs, lower_ok=True)
+        return self.driver.run("train", lambda: self.driver.units("train"), live=live, allow_finished=True)
+
+    async def train_steps_async(self, n: int) -> Any:
+        """Like :meth:`train_steps`, yielding to the event loop between steps (Pause button works)."""
+        return await self.driver.run_async("steps", lambda: self.driver.units("steps", check_n(n)), live=None,
+                                           allow_finished=False)
+
+    async def train_epoch_async(self, *, live: bool | None = None) -> Any:
+        """Like :meth:`train_epoch`; ``await`` it in a notebook cell so widgets stay responsive."""
+        return await self.driver.run_async("epoch", lambda: self.driver.units("epoch"), live=live,
+                                           allow_finished=False)
+
+    async def train_async(self, num_epochs: int | None = None, *, live: bool | None = None) -> Any:
+        """Like :meth:`train`; ``await session.train_async()`` keeps the kernel responsive."""
+        if num_epochs is not None:
+            self.driver.set_final_epoch(num_epochs, lower_ok=True)
+        return await self.driver.run_async("train", lambda: self.driver.units("train"), live=live,
+                                           allow_finished=True)
+
+    def train_in_background(self, goal: str = "train", n: int = 1, *, live: bool | None = None) -> threading.Thread:
+        """Train in a thread (goal ``"train"``, ``"epoch"`` or ``"steps"``); the cell returns at once.
+
+        ``session.pause()`` stops at the next step boundary, ``session.wait()`` joins and
+        returns the result (or raises the error). Do not step other sessions meanwhile:
+        global RNG states are process-wide.
+        """
+        count = check_n(n) if goal == "steps" else 0
+        return self.driver.start_background(goal, lambda: self.driver.units(goal, count), live=live)
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for :meth:`train_in_background`; returns its result or raises its error."""
+        return self.driver.wait(timeout)
+
+    def pause(self) -> None:
+        """Stop the running train_* call at the next step boundary (e.g. from a button)."""
+        self.driver.guard.request("pause requested")
+
+    @property
+    def is_training(self) -> bool:
+        return self.lifecycle.status is Status.RUNNING
+
+    @property
+    def yield_every_secs(self) -> float:
+        """The async variants yield to the kernel at most this often."""
+        return self.driver.yield_every_secs
+
+    @yield_every_secs.setter
+    def yield_every_secs(self, secs: float) -> None:
+        self.driver.yield_every_secs = secs
+
+    def extend(self, num_epochs: int) -> None:
+        """Raise the final epoch without resetting LR control or history; ``train()`` goes on to it."""
+        self.driver.set_final_epoch(num_epochs, lower_ok=False)
+
+    # ---- debugging ----------------------------------------------------------------------
+
+    def break_on(self, step: int | None = None, *, when: Callable[[StepResult], bool] | None = None) -> None:
+        """Stop a train_* call after global step ``step`` (or after any step where ``when(result)``).
+
+        The call returns the ``DebugContext`` (also passed to ``debug_hook`` as event
+        ``"step"``); the next train_* call continues the same epoch. ``break_on()`` clears.
+        """
+        self.breakpoints.set(step, when)
+
+    def replay(self, ctx: DebugContext | None = None, *, anomaly: bool = True) -> ReplayReport:
+        """Re-run exactly the captured step and report the first op/module producing NaN/Inf."""
+        with self.entered():
+            return self.breakpoints.replay(ctx, anomaly=anomaly)
+
+    def release(self) -> None:
+        """Free the batch and device tensors held by the last captured failure."""
+        self.breakpoints.release()
 
     # ---- checkpoints --------------------------------------------------------------------
 
-    def save(self) -> Any:
+    def save(self) -> Checkpoint:
         """Write a step checkpoint of the whole training state now."""
-        self._check_can_train()
+        self.lifecycle.check_can_train()
         if not self.config.typed_value("model"):
             raise ConfigError("config key 'model' is not set: saving needs a checkpoint path prefix")
-        self._training_parts()
-        with self._world():
+        self.ensure_training_parts()
+        with self.entered():
             return self.engine.save_checkpoint(kind="step")
 
     @property
-    def checkpoints(self) -> Any:
+    def checkpoints(self) -> CheckpointBrowser:
         """Browser over the checkpoint files: .table, .load, .restore, .compare, .widget()."""
         from kit.session.checkpoint_browser import CheckpointBrowser
 
         return CheckpointBrowser(self)
+
+    def inspect(self, name: str, weights: Mapping[str, torch.Tensor]) -> None:
+        """Put ``weights`` (of checkpoint ``name``) into the model for a look; the training weights are kept
+        in memory, and training refuses until :meth:`restore` or :meth:`reload_latest`."""
+        from kit import checkpoints
+
+        model = self.model
+        if self.lifecycle.stashed_weights is None:
+            self.lifecycle.stashed_weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        checkpoints.load_into_model(model, dict(weights))
+        self.lifecycle.inspecting = f"checkpoint {name}"
+        self.lifecycle.set(Status.INSPECTING, name)
+
+    def restore(self, ckpt: Checkpoint, loaded: tuple[dict, dict | None] | None = None) -> None:
+        """Rewind the whole training state to ``ckpt`` (``loaded``: its files, already read and verified)."""
+        self.ensure_training_parts()
+        with self.entered():
+            self.engine.restore(ckpt, loaded)
+        self.history_store.truncate_after(self.engine.progress.global_train_step)
+        self.lifecycle.consistent()
 
     def reload_latest(self) -> None:
         """Leave inspection: put back the training state from before ``checkpoints.load``,
         or (when there is none in memory) restore the newest complete checkpoint."""
         from kit import checkpoints
 
-        if self._stashed_state is not None:
-            checkpoints.load_into_model(self.engine.model, self._stashed_state)
-            self._stashed_state = None
+        if self.lifecycle.stashed_weights is not None:
+            checkpoints.load_into_model(_built(self.engine.model), self.lifecycle.stashed_weights)
         else:
             loaded = checkpoints.load_latest(self.config.typed_value("model") or "")
             if loaded is None:
                 raise SessionStateError("no weights kept in memory and no complete checkpoint to reload")
-            self._restore(loaded[0], loaded[1:])
-        self._inspecting = None
-        self._mid_step = None
-        self.status = "ready"
-
-    def _restore(self, ckpt: Any, loaded: tuple | None = None) -> None:
-        self._training_parts()
-        with self._world():
-            self.engine.restore(ckpt, loaded)
-        self._history.truncate_after(self.engine.progress.global_train_step)
-        self._inspecting = None
-        self._stashed_state = None
-        self._mid_step = None
+            self.restore(loaded[0], loaded[1:])
+        self.lifecycle.consistent()
 
     # ---- eval and forward ---------------------------------------------------------------
 
@@ -210,20 +382,20 @@ class Session(TrainingLoop, Debugging):
         The config's eval datasets evaluated at an epoch end (not mid-epoch, not while a
         checkpoint is loaded for inspection) are recorded in that epoch's score row.
         """
-        self._setup()
+        self.setup()
         if datasets is not None and not isinstance(datasets, Mapping):
             datasets = {"eval": datasets}
         if datasets is not None:
             from kit.data import make_dataset
 
             datasets = {name: make_dataset(ds) for name, ds in datasets.items()}
-        with self._world():
+        with self.entered():
             results = self.engine.eval_model(datasets)
         p = self.engine.progress
-        at_epoch_end = not p.epoch_running and p.epoch > 1 and not self._inspecting
+        at_epoch_end = not p.epoch_running and p.epoch > 1 and not self.lifecycle.inspecting
         if datasets is None and at_epoch_end and self.engine.scores is not None:
-            self.engine._record_eval(p.epoch - 1, results)
-            self.engine._save_scores()
+            self.engine.record_eval(p.epoch - 1, results)
+            self.engine.save_scores()
         return results
 
     def forward(self, data: Any, callback: Any = None, *, dataset: str | None = None) -> Any:
@@ -234,68 +406,44 @@ class Session(TrainingLoop, Debugging):
         Seq tags are looked up in this session's datasets; ``dataset="dev"`` (a config key,
         or a name in ``eval_datasets``) says which one when several hold the tags.
         """
-        self._setup()
+        self.setup()
         if self.config.typed_value("forward_step") is None:
             raise ConfigError("config key 'forward_step' is not set: forward needs forward_step(*, model, extern_data, **kwargs)")
         from kit.data.batch import Batch
 
         seq_indices = None
         if isinstance(data, (list, tuple)) and all(isinstance(t, str) for t in data):
-            data, seq_indices = self._resolve_tags(list(data), dataset)
+            data, seq_indices = resolve_tags(self.engine.datasets, list(data), dataset)
         elif isinstance(data, (Mapping, str)) and not isinstance(data, Batch):  # a Batch is a Mapping too
             from kit.data import make_dataset
 
             data = make_dataset(data)
-        with self._world():
+        with self.entered():
             return self.engine.forward(data, callback, seq_indices=seq_indices)
-
-    def _resolve_tags(self, tags: list[str], name: str | None) -> tuple[Any, list[int]]:
-        datasets = {k: v for k, v in self.engine.datasets.items() if v is not None}
-        known = ", ".join(k.removeprefix("eval_datasets.") for k in datasets) or "none"
-        if name is not None:
-            key = name if name in datasets else f"eval_datasets.{name}"
-            if key not in datasets:
-                raise UnknownSeqTagError(f"forward(dataset={name!r}): no such dataset in this session (known: {known})")
-            datasets = {key: datasets[key]}
-        found: dict[int, tuple[str, Any, list[int]]] = {}
-        for key, ds in datasets.items():
-            try:
-                found.setdefault(id(ds), (key, ds, [ds.get_seq_index(t) for t in tags]))
-            except KeyError:
-                continue
-        if len(found) == 1:
-            _, ds, indices = next(iter(found.values()))
-            return ds, indices
-        if found:
-            where = ", ".join(repr(k.removeprefix("eval_datasets.")) for k, _, _ in found.values())
-            raise UnknownSeqTagError(f"seq tags {tags[:3]} are in several datasets ({where}); "
-                                     f"say which one: session.forward(tags, dataset=...)")
-        missing = [t for t in tags if not any(_has_tag(ds, t) for ds in datasets.values())]
-        scope = f"dataset {name!r}" if name else "any of this session's datasets"
-        raise UnknownSeqTagError(f"unknown seq tag(s) {missing[:5]}: not in {scope} (known datasets: {known}; "
-                                 f"their tags look like {_tag_examples(datasets)})")
 
     # ---- stores and views ---------------------------------------------------------------
 
     @property
     def scores(self) -> Any:
         """pandas DataFrame, one row per epoch — the same as the score file."""
-        self._setup()
-        return self.engine.scores.to_pandas()
+        return self.score_table.to_pandas()
 
     @property
     def history(self) -> Any:
         """pandas DataFrame, one row per train step (losses, learning rate, seconds, memory)."""
-        return self._history.to_pandas()
+        return self.history_store.to_pandas()
 
     @property
-    def score_table(self) -> Any:
-        self._setup()
-        return self.engine.scores
+    def score_table(self) -> ScoreTable:
+        self.setup()
+        return _built(self.engine.scores)
 
     def on(self, event: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Subscribe ``fn(**payload)`` to an event (see ``kit.events``)."""
         return self.events.on(event, fn)
+
+    def off(self, event: str, fn: Callable[..., Any]) -> None:
+        self.events.off(event, fn)
 
     def show_loop(self) -> str:
         """Print the training loop with what is attached to each event."""
@@ -308,13 +456,14 @@ class Session(TrainingLoop, Debugging):
 
         return Dashboard(self)
 
-    def _show_dashboard(self) -> None:
+    def show_dashboard(self) -> None:
+        """Display the session's live dashboard (made on first use) in the notebook."""
         try:
             from IPython.display import display
 
-            if self._live_dashboard is None:  # one live dashboard per session, not one per call
-                self._live_dashboard = self.dashboard()
-            display(self._live_dashboard)
+            if self.live_dashboard is None:  # one live dashboard per session, not one per call
+                self.live_dashboard = self.dashboard()
+            display(self.live_dashboard)
         except ImportError:
             pass
 
@@ -327,21 +476,21 @@ class Session(TrainingLoop, Debugging):
         frames, the last cell's error) and output-cache entries when they hold this
         session's model or optimizer — otherwise those would keep them alive.
         """
-        if self._closed:
+        if self.lifecycle.status is Status.CLOSED:
             return
-        if self._thread is not None and self._thread.is_alive():
+        thread = self.driver.thread
+        if thread is not None and thread.is_alive():
             self.pause()
-            self._thread.join()
+            thread.join()
         engine = self.engine
-        optimizer = getattr(engine.updater, "optimizer", None)
+        optimizer = engine.updater.optimizer if engine.updater is not None else None
         parts = [p for p in (engine.model, engine.updater, optimizer) if p is not None]
         drop_stored_references({id(o) for o in (self, engine, *parts)}, {id(o) for o in parts})
         del parts, optimizer
         engine.close()
         self.release()
-        self._stashed_state = None
-        self._closed = True
-        self.status = "closed"
+        self.lifecycle.stashed_weights = None
+        self.lifecycle.set(Status.CLOSED)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -349,12 +498,12 @@ class Session(TrainingLoop, Debugging):
     def __enter__(self) -> Session:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
         p = self.engine.progress
-        return (f"<kit.Session {self.status}: epoch {p.epoch}/{self.config.int('num_epochs')}, "
+        return (f"<kit.Session {self.status}: epoch {p.epoch}/{self.final_epoch}, "
                 f"step {p.step_in_epoch}, global step {p.global_train_step}>")
 
     def _repr_html_(self) -> str:
@@ -363,25 +512,11 @@ class Session(TrainingLoop, Debugging):
         return session_html(self)
 
 
-class UnknownSeqTagError(KitError, KeyError):
-    """``forward`` was given seq tags that no (or more than one) dataset of the session holds."""
-
-    def __str__(self) -> str:  # KeyError would print the message in quotes
-        return str(self.args[0]) if self.args else ""
+_Part = TypeVar("_Part")
 
 
-def _tag_examples(datasets: Mapping[str, Any]) -> str:
-    for ds in datasets.values():
-        try:
-            return ", ".join(repr(ds.get_seq_tag(i)) for i in range(min(2, len(ds))))
-        except Exception:  # a dataset without tags or length: no examples
-            continue
-    return "?"
-
-
-def _has_tag(dataset: Any, tag: str) -> bool:
-    try:
-        dataset.get_seq_index(tag)
-        return True
-    except KeyError:
-        return False
+def _built(part: _Part | None) -> _Part:
+    """A part the set-up has made (the model, optimizer, score table)."""
+    if part is None:
+        raise SessionStateError("this part is not built yet")
+    return part

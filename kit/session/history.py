@@ -1,40 +1,29 @@
-"""``History``: one row per train step, built from device-side records when read.
+"""``History``: the one per-step store — one row per train step, built from device-side records when read.
 
-Steps append their loss tensors (still on the device); they are copied to the host
-in one transfer per ``flush_every`` steps or when someone reads the history. Beyond
-``max_rows`` the older rows are thinned out (every other one), so a week-long run
-stays small in memory.
+Steps append their loss tensors (still on the device); they are copied to the host in one
+transfer per ``flush_every`` steps or when someone reads the history. Beyond ``max_rows``
+the older rows are thinned out (every other one, by step number), so a week-long run stays
+small in memory. Views (the dashboard's timeline) read these rows; they keep no copy.
+
+Memory columns: ``memory_peak`` (a CUDA step's peak, measured by the engine) on every row;
+the memory figures now (``memory_allocated`` / ``memory_reserved``, or ``memory_rss``) on
+the row where they were read — every ``flush_every`` steps and at each epoch end, never
+inside a step, and the same whether or not a view watches.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import torch
+from kit.engine.accounting import StepLosses, read_normalized
+from kit.engine.memory import MemoryFigures
+from kit.engine.step import StepResult
 
-from kit.engine.accounting import read_normalized
+if TYPE_CHECKING:
+    from kit.events import Events
 
-
-def process_memory_bytes(device: torch.device | None) -> dict[str, int]:
-    """Memory now: CUDA allocated/reserved/peak (host-side counters, no sync) or process RSS."""
-    if device is not None and device.type == "cuda":
-        return {
-            "memory_allocated": torch.cuda.memory_allocated(device),
-            "memory_reserved": torch.cuda.memory_reserved(device),
-            "memory_peak": torch.cuda.max_memory_allocated(device),
-        }
-    return {"memory_rss": _rss_bytes()}
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+COLUMNS = ["global_train_step", "epoch", "step", "learning_rate", "seconds", "num_seqs"]
 
 
 class History:
@@ -46,12 +35,16 @@ class History:
         self.max_rows = max_rows
         self.flush_every = flush_every
         self.rows: list[dict[str, Any]] = []
-        self._pending: list[tuple[dict[str, Any], Any]] = []  # (row without losses, StepLosses)
-        self._stride = 1
-        self.device: torch.device | None = None
+        self.stride = 1  # rows are kept for steps that are multiples of it
+        self.generation = 0  # +1 whenever rows are dropped (thinning, rewind): views re-read
+        self.memory_source: Callable[[], MemoryFigures | None] | None = None  # the engine's meter
+        self._pending: list[tuple[dict[str, Any], StepLosses]] = []  # rows without losses yet
 
-    def on_step_end(self, result: Any, **_: Any) -> None:
-        if result.global_train_step % self._stride:
+    def subscribe(self, events: Events) -> None:
+        events.on("step_end", self.on_step_end)
+
+    def on_step_end(self, result: StepResult, **_: Any) -> None:
+        if result.global_train_step % self.stride:
             return
         row = {
             "global_train_step": result.global_train_step,
@@ -60,11 +53,24 @@ class History:
             "learning_rate": result.learning_rate,
             "seconds": result.seconds,
             "num_seqs": result.num_seqs,
-            **process_memory_bytes(self.device),
         }
+        if result.memory_peak is not None:
+            row["memory_peak"] = result.memory_peak
         self._pending.append((row, result.step_losses))
         if len(self._pending) >= self.flush_every:
+            self._sample_memory(row)
             self.flush()
+
+    def epoch_ended(self) -> None:
+        """Memory figures onto the epoch's last row (the session's loop driver calls this)."""
+        last = self._pending[-1][0] if self._pending else self.rows[-1] if self.rows else None
+        if last is not None:
+            self._sample_memory(last)
+
+    def _sample_memory(self, row: dict[str, Any]) -> None:
+        figures = self.memory_source() if self.memory_source is not None else None
+        if figures is not None:
+            row.update({k: v for k, v in figures.columns().items() if k not in row})
 
     def flush(self) -> None:
         """Copy pending device records to the host in one transfer."""
@@ -76,13 +82,15 @@ class History:
         self._pending.clear()
         while len(self.rows) > self.max_rows:
             # keep every other step by number (not by position), so rows stay on the stride's grid
-            self._stride *= 2
-            self.rows = [r for r in self.rows if r["global_train_step"] % self._stride == 0]
+            self.stride *= 2
+            self.rows = [r for r in self.rows if r["global_train_step"] % self.stride == 0]
+            self.generation += 1
 
     def truncate_after(self, global_train_step: int) -> None:
         """Forget steps at or after ``global_train_step`` (after a rewind to an earlier state)."""
         self.flush()
         self.rows = [r for r in self.rows if r["global_train_step"] < global_train_step]
+        self.generation += 1
 
     def __len__(self) -> int:
         return len(self.rows) + len(self._pending)
@@ -91,5 +99,4 @@ class History:
         import pandas as pd
 
         self.flush()
-        columns = ["global_train_step", "epoch", "step", "learning_rate", "seconds", "num_seqs"]
-        return pd.DataFrame(self.rows, columns=None if self.rows else columns)
+        return pd.DataFrame(self.rows, columns=None if self.rows else COLUMNS)

@@ -1,9 +1,10 @@
-"""The train loop of a :class:`kit.Session`: sync, awaitable and background, one mechanism.
+"""The loop driver of a :class:`kit.Session`: sync, awaitable and background, one mechanism.
 
-Every ``train_*`` call is a generator of "units" (one train step, or one epoch end) driven
-to its goal: all at once (``train_*``), in time slices with an ``await`` between them
-(``train_*_async``, so widget messages such as the Pause button reach the kernel), or in
-a thread (``train_in_background``). Interrupts and Pause stop it at a step boundary.
+Every ``train_*`` call steps through the engine's loop (:mod:`kit.engine.loop`) unit by
+unit towards its goal: all at once (``train_*``), in time slices with an ``await`` between
+them (``train_*_async``, so widget messages such as the Pause button reach the kernel), or
+in a thread (``train_in_background``). Interrupts, Pause and break points stop it between
+two units, at a step boundary.
 """
 
 from __future__ import annotations
@@ -14,10 +15,15 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kit.engine.engine import StepResult
+from kit.engine.loop import EpochDone, RunOutcome
 from kit.errors import SessionStateError
+from kit.session.interrupts import InterruptGuard
+from kit.session.lifecycle import Status
+
+if TYPE_CHECKING:
+    from kit.session.facade import Session
 
 logger = logging.getLogger("kit")
 
@@ -41,9 +47,10 @@ class Paused:
 
 
 _PAUSED = object()
+Units = Generator[None, None, Any]
 
 
-def _advance(gen: Generator, deadline: float | None) -> tuple[bool, Any]:
+def _advance(gen: Units, deadline: float | None) -> tuple[bool, Any]:
     """Drive ``gen`` until it returns (→ (True, value)) or ``deadline`` passes (→ (False, None))."""
     while True:
         try:
@@ -54,101 +61,176 @@ def _advance(gen: Generator, deadline: float | None) -> tuple[bool, Any]:
             return False, None
 
 
-class TrainingLoop:
-    """Mixin of :class:`kit.Session` with the ``train_*`` calls (uses the session's engine,
-    world, interrupt guard and status)."""
+class LoopDriver:
+    """Steps the engine's loop for one session; owns the interrupt guard and the background thread."""
 
-    def train_step(self) -> StepResult | Paused | None:
-        """One step of the current epoch (rolling into the next epoch when this one is done)."""
-        return self._run(lambda: self._units("steps", 1))
+    def __init__(self, session: Session):
+        self.session = session
+        self.guard = InterruptGuard()
+        self.thread: threading.Thread | None = None
+        self.background: dict[str, Any] = {}
+        self.yield_every_secs = 0.05  # async variants yield to the kernel at most this often
 
-    def train_steps(self, n: int) -> StepResult | Paused | None:
-        """``n`` more steps, continuing where the last call stopped; returns the last StepResult."""
-        return self._run(lambda: self._units("steps", self._check_n(n)))
+    # ---- goals ---------------------------------------------------------------------------
 
-    def train_epoch(self, *, live: bool | None = None) -> dict[str, Any] | Paused:
-        """Finish the current epoch (or train the next one): steps, scores, eval, checkpoint, LR."""
-        return self._run(lambda: self._units("epoch"), live=live)
+    def units(self, goal: str, n: int = 0) -> Units:
+        """Pull the engine's units towards ``goal`` ("steps" n, "epoch", "train"); yields between units."""
+        session = self.session
+        loop, steps, last = session.engine.loop, 0, None
+        while True:
+            unit = loop.next_unit()
+            if unit is None:  # every epoch is trained
+                session.lifecycle.set(Status.FINISHED)
+                return last if goal == "steps" else self._last_row()
+            if isinstance(unit, EpochDone):
+                session.history_store.epoch_ended()
+                if goal == "epoch":
+                    return unit.scores
+            else:
+                steps, last = steps + 1, unit.result
+                if session.breakpoints.matches(unit.result):
+                    session.lifecycle.set(Status.PAUSED)
+                    return session.breakpoints.stop_here(unit.result)
+                if goal == "steps" and steps >= n:
+                    return last
+            if self.guard.requested and not session.engine.all_trained:
+                return _PAUSED
+            yield
 
-    def train(self, num_epochs: int | None = None, *, live: bool | None = None) -> dict[str, Any] | Paused:
-        """Train up to epoch ``num_epochs`` (default: the config's); returns the last epoch's scores.
+    def _last_row(self) -> dict[str, Any]:
+        engine = self.session.engine
+        epochs = engine.scores.epochs if engine.scores is not None else []
+        return engine.epoch_scores(epochs[-1]) if epochs else {}
 
-        ``num_epochs`` becomes the final epoch (the config's ``num_epochs``), raised or lowered;
-        it cannot be below an epoch that is already trained or running.
-        """
-        if num_epochs is not None:
-            self._set_final_epoch(num_epochs, lower_ok=True)
-        return self._run(lambda: self._units("train"), live=live, allow_finished=True)
+    # ---- running -------------------------------------------------------------------------
 
-    async def train_steps_async(self, n: int) -> StepResult | Paused | None:
-        """Like :meth:`train_steps`, yielding to the event loop between steps (Pause button works)."""
-        return await self._run_async(lambda: self._units("steps", self._check_n(n)))
+    def run(self, goal: str, units: Callable[[], Units], *, live: bool | None, allow_finished: bool) -> Any:
+        # the handler is in place before the set-up (model build, resume) so that an interrupt
+        # there pauses after the first step instead of tearing the set-up apart
+        self.guard.clear()
+        with self.guard.held():
+            self.prepare(live, allow_finished)
+            with self.session.engine.loop.driven(goal) as outcome:
+                return self.finish(self.drive_all(units), outcome)
 
-    async def train_epoch_async(self, *, live: bool | None = None) -> dict[str, Any] | Paused:
-        """Like :meth:`train_epoch`; ``await`` it in a notebook cell so widgets stay responsive."""
-        return await self._run_async(lambda: self._units("epoch"), live=live)
+    async def run_async(self, goal: str, units: Callable[[], Units], *, live: bool | None,
+                        allow_finished: bool) -> Any:
+        import asyncio
 
-    async def train_async(self, num_epochs: int | None = None, *, live: bool | None = None) -> Any:
-        """Like :meth:`train`; ``await session.train_async()`` keeps the kernel responsive."""
-        if num_epochs is not None:
-            self._set_final_epoch(num_epochs, lower_ok=True)
-        return await self._run_async(lambda: self._units("train"), live=live, allow_finished=True)
+        self.guard.clear()
+        with self.guard.held():
+            self.prepare(live, allow_finished)
+            with self.session.engine.loop.driven(goal) as outcome:
+                gen = units()
+                while True:
+                    deadline = time.monotonic() + self.yield_every_secs
+                    with self.session.entered(), self.errors_tracked():
+                        done, result = _advance(gen, deadline)
+                    if done:
+                        return self.finish(result, outcome)
+                    await asyncio.sleep(0)  # let the kernel handle widget messages (the Pause button)
 
-    def train_in_background(
-        self, goal: str = "train", n: int = 1, *, live: bool | None = None
-    ) -> threading.Thread:
-        """Train in a thread (goal ``"train"``, ``"epoch"`` or ``"steps"``); the cell returns at once.
-
-        ``session.pause()`` stops at the next step boundary, ``session.wait()`` joins and
-        returns the result (or raises the error). Do not step other sessions meanwhile:
-        global RNG states are process-wide.
-        """
-        if self._thread is not None and self._thread.is_alive():
-            raise SessionStateError(
-                "this session is already training in the background; call wait() or pause()"
-            )
-        units = (
-            (lambda: self._units("steps", self._check_n(n)))
-            if goal == "steps"
-            else (lambda: self._units(goal))
-        )
-        self._guard.clear()
-        self._prepare_run(live, allow_finished=goal == "train")
-        self._background = {}
+    def start_background(self, goal: str, units: Callable[[], Units], *, live: bool | None) -> threading.Thread:
+        if self.thread is not None and self.thread.is_alive():
+            raise SessionStateError("this session is already training in the background; call wait() or pause()")
+        self.guard.clear()
+        self.prepare(live, allow_finished=goal == "train")
+        self.background = {}
 
         def target() -> None:
             try:
                 # finished here, not in wait(): status and the interrupt event come when the thread stops
-                self._background["result"] = self._finish_run(self._drive_all(units))
+                with self.session.engine.loop.driven(goal) as outcome:
+                    self.background["result"] = self.finish(self.drive_all(units), outcome)
             except BaseException as exc:
-                self._background["error"] = exc
+                self.background["error"] = exc
 
-        self._thread = threading.Thread(target=target, name="kit-session-training", daemon=True)
-        self._thread.start()
-        return self._thread
+        self.thread = threading.Thread(target=target, name="kit-session-training", daemon=True)
+        self.thread.start()
+        return self.thread
 
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait for :meth:`train_in_background`; returns its result or raises its error."""
-        if self._thread is None:
+    def wait(self, timeout: float | None) -> Any:
+        if self.thread is None:
             return None
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        self.thread.join(timeout)
+        if self.thread.is_alive():
             return None
-        self._thread, outcome = None, self._background
+        self.thread, outcome = None, self.background
         if "error" in outcome:
             raise outcome["error"]
         return outcome.get("result")
 
-    @property
-    def is_training(self) -> bool:
-        return self.status == "running"
+    def drive_all(self, units: Callable[[], Units]) -> Any:
+        with self.session.entered(), self.errors_tracked():
+            return _advance(units(), None)[1]
 
-    def extend(self, num_epochs: int) -> None:
-        """Raise the final epoch without resetting LR control or history; ``train()`` goes on to it."""
-        self._set_final_epoch(num_epochs, lower_ok=False)
+    def prepare(self, live: bool | None, allow_finished: bool) -> None:
+        """Preconditions of every train_* call, and the dashboard when asked."""
+        session = self.session
+        session.lifecycle.check_can_train()
+        with self.forced_interrupt_marked():
+            session.ensure_training_parts()
+        engine = session.engine
+        if not allow_finished and engine.all_trained:
+            raise SessionStateError(
+                f"all {engine.final_epoch} epochs are trained; "
+                "call session.extend(num_epochs) or session.train(num_epochs) to train more"
+            )
+        if live if live is not None else session.live:
+            session.show_dashboard()
+        session.lifecycle.set(Status.RUNNING)
 
-    def _set_final_epoch(self, num_epochs: int, *, lower_ok: bool) -> None:
-        current = self.config.int("num_epochs")
+    @contextlib.contextmanager
+    def forced_interrupt_marked(self) -> Iterator[None]:
+        """A KeyboardInterrupt (second interrupt within a second) may leave a half-updated state:
+        remember where, so that train_* refuses until restore / reload_latest."""
+        try:
+            yield
+        except KeyboardInterrupt:
+            self.session.lifecycle.interrupted_mid_step(self.session.engine.progress)
+            raise
+
+    @contextlib.contextmanager
+    def errors_tracked(self) -> Iterator[None]:
+        """A forced interrupt mid-step marks the session inconsistent; errors set the status."""
+        try:
+            with self.forced_interrupt_marked():
+                yield
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            self.session.lifecycle.failed(exc)
+            raise
+
+    def finish(self, result: Any, outcome: RunOutcome) -> Any:
+        state = self.session.lifecycle
+        if result is _PAUSED:
+            outcome.value = "paused"
+            return self.paused()
+        if state.status is Status.PAUSED:  # a break point
+            outcome.value = "paused"
+        if self.guard.requested:  # it came as the last unit finished: the goal is reached anyway
+            logger.info("%s arrived as the train call finished; nothing to pause", self.guard.reason)
+            self.guard.clear()
+        if state.status is Status.RUNNING:
+            state.set(Status.READY)
+        return result
+
+    def paused(self) -> Paused:
+        session = self.session
+        p = session.engine.progress
+        paused = Paused(p.epoch, p.step_in_epoch, self.guard.reason or "pause requested")
+        self.guard.clear()
+        session.lifecycle.set(Status.PAUSED)
+        logger.warning("%s", paused)
+        session.events.emit("interrupt", status=paused)
+        return paused
+
+    # ---- the final epoch -----------------------------------------------------------------
+
+    def set_final_epoch(self, num_epochs: int, *, lower_ok: bool) -> None:
+        engine, state = self.session.engine, self.session.lifecycle
+        current = engine.final_epoch
         if not isinstance(num_epochs, int) or num_epochs < 1:
             raise ValueError(f"num_epochs must be an int >= 1, got {num_epochs!r}")
         if num_epochs < current and not lower_ok:
@@ -156,155 +238,20 @@ class TrainingLoop:
                 f"extend(num_epochs={num_epochs}): must be >= the current num_epochs {current}; "
                 f"use train(num_epochs={num_epochs}) to stop earlier"
             )
-        p = self.engine.progress
+        p = engine.progress
         done = p.epoch if p.epoch_running else p.epoch - 1
         if num_epochs < done:
             raise ValueError(
                 f"num_epochs={num_epochs}: epoch {done} is already "
                 f"{'running' if p.epoch_running else 'trained'}; the final epoch cannot be earlier"
             )
-        self.config.update(num_epochs=num_epochs)
-        if self.status == "finished" and num_epochs > done:
-            self.status = "ready"
+        engine.final_epoch = num_epochs
+        if state.status is Status.FINISHED and num_epochs > done:
+            state.set(Status.READY)
 
-    @staticmethod
-    def _check_n(n: int) -> int:
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"train_steps(n): n must be an int >= 1, got {n!r}")
-        return n
 
-    def _units(self, goal: str, n: int = 0) -> Generator[None, None, Any]:
-        """Run train steps / epoch ends towards ``goal``; yields between units."""
-        engine, steps, last = self.engine, 0, None
-        while True:
-            if self._all_trained():
-                self.status = "finished"
-                return last if goal == "steps" else self._last_row()
-            result = engine.train_step()
-            if result is None:
-                row = engine.finish_epoch()
-                if goal == "epoch":
-                    return row
-            else:
-                steps, last = steps + 1, result
-                if self._break_matches(result):
-                    return self._break_here(result)
-                if goal == "steps" and steps >= n:
-                    return last
-            if self._guard.requested and not self._all_trained():
-                return _PAUSED
-            yield
+def check_n(n: int) -> int:
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"train_steps(n): n must be an int >= 1, got {n!r}")
+    return n
 
-    def _all_trained(self) -> bool:
-        p = self.engine.progress
-        return not p.epoch_running and p.epoch > self.engine.final_epoch
-
-    def _last_row(self) -> dict[str, Any]:
-        epochs = self.engine.scores.epochs
-        return self.engine.epoch_scores(epochs[-1]) if epochs else {}
-
-    def _run(
-        self, units: Callable[[], Generator], *, live: bool | None = None, allow_finished: bool = False
-    ) -> Any:
-        # the handler is in place before the set-up (model build, resume) so that an interrupt
-        # there pauses after the first step instead of tearing the set-up apart
-        self._guard.clear()
-        with self._guard.held():
-            self._prepare_run(live, allow_finished)
-            return self._finish_run(self._drive_all(units))
-
-    async def _run_async(
-        self, units: Callable[[], Generator], *, live: bool | None = None, allow_finished: bool = False
-    ) -> Any:
-        import asyncio
-
-        self._guard.clear()
-        with self._guard.held():
-            self._prepare_run(live, allow_finished)
-            gen = units()
-            while True:
-                deadline = time.monotonic() + self.yield_every_secs
-                with self._world(), self._errors_tracked():
-                    done, result = _advance(gen, deadline)
-                if done:
-                    return self._finish_run(result)
-                await asyncio.sleep(0)  # let the kernel handle widget messages (the Pause button)
-
-    def _drive_all(self, units: Callable[[], Generator]) -> Any:
-        with self._world(), self._errors_tracked():
-            return _advance(units(), None)[1]
-
-    def _prepare_run(self, live: bool | None, allow_finished: bool) -> None:
-        """Preconditions of every train_* call, and the dashboard when asked."""
-        self._check_can_train()
-        with self._forced_interrupt_marked():
-            self._training_parts()
-        p = self.engine.progress
-        if not allow_finished and not p.epoch_running and p.epoch > self.engine.final_epoch:
-            raise SessionStateError(
-                f"all {self.engine.final_epoch} epochs are trained; "
-                "call session.extend(num_epochs) or session.train(num_epochs) to train more"
-            )
-        if live if live is not None else self.live:
-            self._show_dashboard()
-        self.status = "running"
-
-    @contextlib.contextmanager
-    def _forced_interrupt_marked(self) -> Iterator[None]:
-        """A KeyboardInterrupt (second interrupt within a second) may leave a half-updated state:
-        remember where, so that train_* refuses until restore / reload_latest."""
-        try:
-            yield
-        except KeyboardInterrupt:
-            self._mid_step = self.engine.progress.where()
-            self.status = "error: interrupted mid-step"
-            raise
-
-    @contextlib.contextmanager
-    def _errors_tracked(self) -> Iterator[None]:
-        """A forced interrupt mid-step marks the session inconsistent; errors set the status."""
-        try:
-            with self._forced_interrupt_marked():
-                yield
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:
-            self.status = f"error: {type(exc).__name__}: {exc}".split("\n")[0]
-            raise
-
-    def _finish_run(self, result: Any) -> Any:
-        if result is _PAUSED:
-            return self._paused()
-        if self._guard.requested:  # it came as the last unit finished: the goal is reached anyway
-            logger.info("%s arrived as the train call finished; nothing to pause", self._guard.reason)
-            self._guard.clear()
-        if self.status == "running":
-            self.status = "ready"
-        return result
-
-    def _paused(self) -> Paused:
-        p = self.engine.progress
-        paused = Paused(p.epoch, p.step_in_epoch, self._guard.reason or "pause requested")
-        self._guard.clear()
-        self.status = "paused"
-        logger.warning("%s", paused)
-        self.events.emit("interrupt", status=paused)
-        return paused
-
-    def pause(self) -> None:
-        """Stop the running train_* call at the next step boundary (e.g. from a button)."""
-        self._guard.request("pause requested")
-
-    def _check_can_train(self) -> None:
-        if self._inspecting:
-            raise SessionStateError(
-                f"the model holds the weights of {self._inspecting} for inspection (checkpoints.load); "
-                "call session.checkpoints.restore(...) to continue from that checkpoint, or "
-                "session.reload_latest() to go back to the training state"
-            )
-        if self._mid_step:
-            raise SessionStateError(
-                f"the last train call was interrupted mid-step (a second interrupt within a second) at "
-                f"{self._mid_step}: the model or optimizer may be half-updated; call "
-                "session.checkpoints.restore(...) or session.reload_latest() to continue from a consistent state"
-            )

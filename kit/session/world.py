@@ -23,10 +23,23 @@ class World:
     def __init__(self) -> None:
         self.rng: tuple | None = None  # None: not entered yet (the caller's state is the start)
         self.defaults: TorchDefaults | None = None
+        self.depth = 0  # entered blocks now: inside one (a view asking from a step_end handler) nothing swaps
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
         """This world's state in, the caller's back afterwards (also when the block raises)."""
+        if self.depth:
+            yield
+            return
+        self.depth += 1
+        try:
+            with self._swapped():
+                yield
+        finally:
+            self.depth -= 1
+
+    @contextlib.contextmanager
+    def _swapped(self) -> Iterator[None]:
         outer, outer_defaults = rng.snapshot(), torch_defaults()
         if self.rng is not None:
             rng.restore(self.rng)

@@ -1,4 +1,4 @@
-"""``session.dashboard()``: a live view of a training run, built from Session events only.
+"""``session.dashboard()``: a live view of a training run, built from Session events and public API only.
 
 >>> dash = session.dashboard()                     # doctest: +SKIP
 >>> dash                                           # shows the widget (last line of a cell)
@@ -14,7 +14,8 @@ Three renderings, chosen once per dashboard (``mode``):
   the lines (~15 ms) comes every ~3 s, one that redraws the axes too (~70 ms, when the
   data outgrow them) every ~14 s.
   Its mimebundle also carries a static ``image/png`` and a short ``text/plain``, updated
-  to the last frame when a run ends, so saved notebooks, nbconvert and GitHub show it.
+  to the last frame when a run ends (the ``run_end`` event: finished, paused or failed),
+  so saved notebooks, nbconvert and GitHub show it.
 - ``"terminal"`` (no kernel): a tqdm bar per epoch and a log line per epoch end and pause.
 - ``"text"`` (``KIT_WIDGETS_TEXT=1``, or ``KIT_TEST`` set and ``KIT_WIDGETS_TEXT`` unset):
   a deterministic text summary and nothing live, for nbval.
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import html
 import logging
 import math
@@ -42,12 +42,12 @@ import threading
 import time
 from typing import Any
 
-from kit.engine.accounting import losses_device
-from kit.widgets.timeline import Timeline, memory_now
+from kit.session.lifecycle import Status
+from kit.widgets.timeline import Timeline
 
 logger = logging.getLogger("kit")
 
-EVENTS = ("step_end", "epoch_end", "interrupt", "exception", "checkpoint_saved")
+EVENTS = ("run_begin", "step_end", "epoch_end", "interrupt", "exception", "checkpoint_saved", "run_end")
 MODES = ("widget", "terminal", "text")
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 
@@ -123,7 +123,7 @@ class Dashboard:
         self.min_interval = 1.0 / max_redraws_per_sec
         self.plot_budget = plot_budget
         self.plot_burst = plot_burst
-        self.timeline = Timeline(smoothing=smoothing)
+        self.timeline = Timeline(session.history_store, smoothing=smoothing)  # a view over the session's history
         self.num_refreshes = 0  # text redraws
         self.num_plots = 0  # picture redraws
         self.detached = False
@@ -140,8 +140,7 @@ class Dashboard:
         self._run_id = 0
         self._probe: tuple[int, float] | None = None
         self._last_step_at = 0.0
-        self._device: Any = None
-        self._rss_step = -1
+        self._memory_step = -1
         self._paused: str | None = None
         self._last_checkpoint: str | None = None
         self._train_error: str | None = None
@@ -150,11 +149,9 @@ class Dashboard:
         self._display: Any = None
         self._terminal: Any = None
         self._prefill()
-        self._cell_hook: Any = None
         if mode == "widget":
             try:
                 self._build_widget()
-                self._watch_cells()
             except ImportError as exc:  # kit installed without the notebook extra
                 logger.warning(
                     "dashboard: %s; showing a text progress bar instead (pip install ipywidgets)", exc
@@ -169,11 +166,9 @@ class Dashboard:
             session.on(event, fn)
 
     def _prefill(self) -> None:
-        """Steps and epochs trained before this dashboard was made."""
-        history = self.session.history
-        if len(history):
-            self.timeline.load_history(history.to_dict("records"))
-            table = self.session.score_table
+        """Epoch scores of a run trained before this dashboard was made (its steps are in the history)."""
+        table = self.session.score_table_if_set_up
+        if table is not None:
             for epoch in table.epochs:
                 self.timeline.add_scores(epoch, table.scores(epoch))
 
@@ -234,12 +229,18 @@ class Dashboard:
         handler.__qualname__ = f"Dashboard.{fn.__name__}"
         return handler
 
+    def _on_run_begin(self, **_: Any) -> None:
+        self._start_run()
+
+    def _on_run_end(self, **_: Any) -> None:
+        if self._running:
+            self._finish_run()
+
     def _on_step_end(self, result: Any, **_: Any) -> None:
         now = self.clock()
-        if not self._running:
-            self._start_run(result)
-        memory = memory_now(self._device, reset_peak=True) if self._cuda else None
-        self.timeline.add_step(result, memory, now)
+        if not self._running:  # a step without a run around it (an engine driven by hand)
+            self._start_run()
+        self.timeline.add_step(result, None, now)
         if self.mode == "widget":
             self._check_reach(now)
             self._last_step_at = now
@@ -257,7 +258,8 @@ class Dashboard:
         self._paused = str(status)
         if self._terminal is not None:
             self._terminal.line(self._paused)
-        self._finish_run()
+        if self._running:
+            self._finish_run()
 
     def _on_exception(self, error: BaseException, stage: str = "", **_: Any) -> None:
         self._train_error = f"{type(error).__name__} in {stage or 'training'}: {error}".split("\n")[0]
@@ -268,7 +270,7 @@ class Dashboard:
         self._last_checkpoint = getattr(checkpoint, "name", str(checkpoint))
 
     def _on_pause_click(self, _button: Any = None) -> None:
-        if self.session.status != "running":
+        if self.session.state is not Status.RUNNING:
             self.note.value = f"Nothing to pause: the session is {html.escape(self.session.status)}."
             return
         self.session.pause()
@@ -278,25 +280,17 @@ class Dashboard:
 
     # ---- runs ---------------------------------------------------------------------------
 
-    def _start_run(self, result: Any) -> None:
-        """First step of a train_* call (seen from the step itself: no Session hook needed)."""
+    def _start_run(self) -> None:
+        """A train_* call starts (``run_begin``)."""
         self._running, self._run_id = True, self._run_id + 1
         self._paused = self._train_error = None
         # a run starts when a cell does: its first frames come soon, whatever earlier runs drew
         self._plot_tokens = max(self._plot_tokens, self.plot_burst / 2)
         self._probe, self.reach = None, None
         self.timeline.new_run()
-        if self._device is None:
-            losses = result.step_losses
-            self._device = losses_device(losses) if losses is not None and losses.names else self.session.device
         if self.mode == "widget":
             self.pause_button.disabled, self.pause_button.description = False, "Pause"
             self.widget.remove_class("kit-dashboard-final")
-        self._schedule_poll()
-
-    @property
-    def _cuda(self) -> bool:
-        return self._device is not None and self._device.type == "cuda"
 
     def _check_reach(self, now: float) -> None:
         """Does the kernel's event loop run between steps (then a click gets through)?
@@ -322,40 +316,6 @@ class Dashboard:
         if run_id == self._run_id and self._running and self.reach != "blocking":
             self._probe, self.reach = None, "responsive"
 
-    def _watch_cells(self) -> None:
-        """In IPython: after each cell, a run that ended in it gets its last frame at once."""
-        shell = sys.modules["IPython"].get_ipython() if "IPython" in sys.modules else None
-        if shell is None:
-            return
-
-        def after_cell(*_: Any) -> None:
-            if self.session.status == "closed":  # nothing more to watch: let go of the shell
-                self.detach()
-            elif self._running and self.session.status != "running":
-                self._finish_run()
-
-        self._cell_hook = (shell, self._guarded(after_cell))
-        shell.events.register("post_run_cell", self._cell_hook[1])
-
-    def _schedule_poll(self) -> None:
-        """After a run ends (no event says so), draw the last frame from the kernel's loop:
-        needed for background runs; in a cell, ``post_run_cell`` comes first."""
-        if self._loop is None or self._loop.is_closed():
-            return
-        poll = self._guarded(self._poll)
-        if threading.current_thread() is threading.main_thread():
-            self._loop.call_later(0.5, poll)
-        else:
-            self._loop.call_soon_threadsafe(self._loop.call_later, 0.5, poll)
-
-    def _poll(self) -> None:
-        if not self._running:
-            return
-        if self.session.status == "running":
-            self._loop.call_later(0.5, self._guarded(self._poll))
-        else:
-            self._finish_run()
-
     def _finish_run(self) -> None:
         """The run ended (paused, finished, failed): last frame, static image in the output."""
         with self._lock:
@@ -379,9 +339,11 @@ class Dashboard:
             self._next_refresh = now + self.min_interval
             self.timeline.flush()
             last_step = self.timeline.last.get("global_train_step", -1)
-            if not self._cuda and last_step != self._rss_step and self.mode != "text":
-                self.timeline.add_memory(last_step, memory_now(None))
-                self._rss_step = last_step
+            if last_step != self._memory_step and self.mode != "text":  # the engine's figures, read now
+                memory = self.session.memory()
+                if memory is not None:
+                    self.timeline.add_memory(last_step, memory.columns())
+                self._memory_step = last_step
             self.num_refreshes += 1
             if self.mode == "widget":
                 self._update_text()
@@ -434,7 +396,7 @@ class Dashboard:
     # ---- text ---------------------------------------------------------------------------
 
     def _num_epochs(self) -> int:
-        return int(self.session.config.int("num_epochs"))
+        return self.session.final_epoch
 
     def progress_text(self) -> str:
         """epoch, step in epoch, percent, ETA, seconds/step, learning rate, smoothed losses."""
@@ -459,16 +421,22 @@ class Dashboard:
         status = self.session.status
         if self.error:
             return f"{status} (dashboard detached: {self.error})"
-        if status == "paused" and self._paused:
+        state = self.session.state
+        if state is Status.PAUSED and self._paused:
             return self._paused
-        if status.startswith("error") and self._train_error and self._train_error not in status:
+        if state is Status.ERROR and self._train_error and self._train_error not in status:
             status += f" ({self._train_error})"
         if self._last_checkpoint:
             status += f" · last checkpoint {self._last_checkpoint}"
         return status
 
     def memory_text(self) -> str:
-        memory = self.timeline.latest_memory() or memory_now(None)
+        memory = self.timeline.latest_memory()
+        if not memory:
+            figures = self.session.memory()
+            memory = figures.columns() if figures is not None else {}
+        if not memory:
+            return "memory: (not set up yet)"
         if "memory_allocated" in memory:
             return "GPU memory: " + " · ".join(
                 f"{label} {_format_bytes(memory[key])}"
@@ -531,12 +499,7 @@ class Dashboard:
         self.detached = True
         self._running = False
         for event, fn in self._handlers:
-            self.session.events.off(event, fn)
-        if self._cell_hook is not None:
-            shell, hook = self._cell_hook
-            with contextlib.suppress(ValueError):
-                shell.events.unregister("post_run_cell", hook)
-            self._cell_hook = None
+            self.session.off(event, fn)
         if self._terminal is not None:
             self._terminal.close()
 

@@ -3,34 +3,37 @@
 from __future__ import annotations
 
 import html
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kit.session.facade import Session
 
 
-def session_html(session: Any) -> str:
+def session_html(session: Session) -> str:
     """Device, model size, position, learning rate, last scores and checkpoints of a Session."""
-    engine = session.engine
-    p = engine.progress
+    p = session.progress_snapshot()
     rows = [
         ("status", session.status),
         (
             "position",
-            f"epoch {p.epoch} of {engine.final_epoch}, step {p.step_in_epoch}, "
+            f"epoch {p.epoch} of {session.final_epoch}, step {p.step_in_epoch}, "
             f"global step {p.global_train_step}, {p.num_updates} updates",
         ),
     ]
-    if engine.model is not None:
-        n = sum(t.numel() for t in engine.model.parameters())
+    if session.num_parameters is not None:
         rows += [
-            ("device", str(engine.device)),
-            ("model", f"{type(engine.model).__name__}, {n:,} parameters"),
+            ("device", str(session.device_if_set_up)),
+            ("model", f"{session.model_class}, {session.num_parameters:,} parameters"),
         ]
     else:
         rows.append(("model", "not built yet (built on first use)"))
-    if engine.updater is not None:
-        rows.append(("learning rate", f"{engine.updater.learning_rate:.6g}"))
-    if engine.scores is not None and engine.scores.epochs:
-        last = engine.scores.epochs[-1]
-        scores = ", ".join(f"{k} {v:.4g}" for k, v in engine.scores.scores(last).items())
+    lr = session.current_learning_rate
+    if lr is not None:
+        rows.append(("learning rate", f"{lr:.6g}"))
+    table = session.score_table_if_set_up
+    if table is not None and table.epochs:
+        last = table.epochs[-1]
+        scores = ", ".join(f"{k} {v:.4g}" for k, v in table.scores(last).items())
         rows.append((f"scores (epoch {last})", scores or "—"))
     prefix = session.config.typed_value("model")
     if prefix:

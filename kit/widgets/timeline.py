@@ -1,9 +1,10 @@
-"""The dashboard's store: per-step losses, learning rate and memory, per-epoch scores.
+"""The dashboard's series: a view over the session's :class:`~kit.session.history.History`.
 
-Filled from Session events. A step's losses stay on the device until :meth:`Timeline.flush`
-(called at redraw time) copies all pending steps to the host in one transfer, so watching
-a run adds no per-step device sync — one per redraw, at most twice a second. Beyond ``max_points`` steps every other point is
-dropped (the curve keeps its shape, memory stays bounded).
+The history is the one per-step store (its buffer, its flush, its thinning rule); the
+timeline reads the rows it has not seen at redraw time and derives what the picture needs:
+losses per name, their smoothed curves and the learning rate, thinned whenever the history
+thins. Watching a run adds no per-step device sync — one flush per redraw, at most twice a
+second. Memory points are the view's own readings of the engine's figures at redraw time.
 """
 
 from __future__ import annotations
@@ -11,25 +12,26 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from types import SimpleNamespace
 from typing import Any
 
-import torch
-
-from kit.engine.accounting import read_normalized
-from kit.session.history import process_memory_bytes
-
-_HISTORY_KEYS = {"global_train_step", "epoch", "step", "learning_rate", "seconds", "num_seqs"}
+from kit.session.history import COLUMNS, History
 
 
 class Timeline:
-    """Series for the dashboard views; ``add_step`` is the only per-step work."""
+    """Series for the dashboard views; ``add_step`` (a few host values) is the only per-step work.
 
-    def __init__(self, *, smoothing: float = 0.9, max_points: int = 20_000):
+    Args:
+        history: the store to view (a session's); None: a history of its own, fed by ``add_step``.
+        max_points: the own history's bound (a session's history has its own).
+    """
+
+    def __init__(self, history: History | None = None, *, smoothing: float = 0.9, max_points: int = 20_000):
         if not 0.0 <= smoothing < 1.0:
             raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
         self.smoothing = smoothing
-        self.max_points = max_points
+        self.owns_history = history is None
+        self.history = History(max_rows=max_points) if history is None else history
+        self.max_points = max_points  # also the bound of the memory readings
         self.steps: list[int] = []  # global train step of each point
         self.losses: dict[str, list[float]] = {}  # raw, NaN where a step did not mark that loss
         self.smoothed: dict[str, list[float]] = {}  # bias-corrected exponential moving average
@@ -37,17 +39,21 @@ class Timeline:
         self.memory_steps: list[int] = []
         self.memory: dict[str, list[int]] = {}  # "memory_allocated"/... or "memory_rss" -> bytes
         self.scores: dict[int, dict[str, float]] = {}  # epoch -> score row
-        self.num_steps = 0  # steps seen (not thinned)
+        self.num_steps = len(self.history)  # steps seen (not thinned), those before this view included
         self.last: dict[str, Any] = {}  # epoch, step, global_train_step, complete_frac, learning_rate
-        self._pending: list[tuple[Any, Any]] = []  # (StepResult, memory dict or None)
         self._ema: dict[str, tuple[float, int]] = {}  # name -> (running average, count)
-        self._stride = 1
+        self._generation = self.history.generation
         self._walls: deque[tuple[float, int]] = deque(maxlen=64)  # (monotonic time, global step)
+        self.flush()  # a run watched from its middle: the steps before this view
+        if self.history.rows:
+            row = self.history.rows[-1]
+            self.last = {k: row[k] for k in ("epoch", "step", "global_train_step", "learning_rate")}
+            self.last["complete_frac"] = None
 
     # ---- writing ----------------------------------------------------------------------
 
     def add_step(self, result: Any, memory: dict[str, int] | None = None, now: float | None = None) -> None:
-        """Record one StepResult (a reference; its losses are read at :meth:`flush`)."""
+        """Note one StepResult: position and wall time (the history holds the step itself)."""
         self.num_steps += 1
         self.last = {
             "epoch": result.epoch,
@@ -57,8 +63,10 @@ class Timeline:
             "learning_rate": result.learning_rate,
         }
         self._walls.append((time.monotonic() if now is None else now, result.global_train_step))
-        if result.global_train_step % self._stride == 0:
-            self._pending.append((result, memory))
+        if self.owns_history:
+            self.history.on_step_end(result)
+        if memory:
+            self.add_memory(result.global_train_step, memory)
 
     def add_memory(self, global_step: int, memory: dict[str, int]) -> None:
         self.memory_steps.append(global_step)
@@ -69,62 +77,53 @@ class Timeline:
         for values in self.memory.values():
             if len(values) < len(self.memory_steps):
                 values.append(math.nan)
+        if len(self.memory_steps) > self.max_points:  # every other reading: the curve keeps its shape
+            self.memory_steps = self.memory_steps[::2]
+            self.memory = {k: v[::2] for k, v in self.memory.items()}
 
     def add_scores(self, epoch: int, scores: dict[str, Any]) -> None:
         row = {k: float(v) for k, v in scores.items() if _is_number(v)}
         if set(row) - {"learning_rate"}:  # an epoch not trained yet has a learning rate only
             self.scores[epoch] = row
 
-    def load_history(self, rows: list[dict[str, Any]]) -> None:
-        """Prefill from ``session.history`` records (steps trained before the dashboard existed)."""
-        for row in rows:
-            losses = {
-                k: float(v) for k, v in row.items() if k not in _HISTORY_KEYS and not k.startswith("memory_")
-            }
-            memory = {k: v for k, v in row.items() if k.startswith("memory_") and v == v}
-            step = SimpleNamespace(
-                global_train_step=int(row["global_train_step"]), learning_rate=row["learning_rate"]
-            )
-            self._append(step, {k: v for k, v in losses.items() if v == v}, memory)
-        if rows:
-            self.num_steps += len(rows)
-            last = rows[-1]
-            self.last = {
-                "epoch": int(last["epoch"]),
-                "step": int(last["step"]),
-                "global_train_step": int(last["global_train_step"]),
-                "complete_frac": None,
-                "learning_rate": last["learning_rate"],
-            }
-
     def new_run(self) -> None:
         """A new train_* call: do not count the pause before it as step time."""
         self._walls.clear()
 
     def flush(self) -> None:
-        """Read pending losses from the device (one transfer per loss set) into the series."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        values = read_normalized([result.step_losses for result, _ in pending])
-        for (result, memory), losses in zip(pending, values):
-            self._append(result, losses, memory)
-        if len(self.steps) > self.max_points:
-            self._thin()
+        """Bring the series up to the history: its pending losses read (one transfer), new rows appended."""
+        history = self.history
+        history.flush()
+        if history.generation != self._generation:  # the history thinned or rewound: the same rule here
+            self._keep({r["global_train_step"] for r in history.rows})
+            self._generation = history.generation
+        rows, last = history.rows, self.steps[-1] if self.steps else -1
+        start = len(rows)
+        while start > 0 and rows[start - 1]["global_train_step"] > last:
+            start -= 1
+        for row in rows[start:]:
+            self._append(row)
 
-    def _append(self, result: Any, losses: dict[str, float], memory: dict[str, int] | None) -> None:
+    def _keep(self, steps: set[int]) -> None:
+        keep = [i for i, g in enumerate(self.steps) if g in steps]
+        self.steps = [self.steps[i] for i in keep]
+        self.learning_rates = [self.learning_rates[i] for i in keep]
+        for series in (self.losses, self.smoothed):
+            for name in series:
+                series[name] = [series[name][i] for i in keep]
+
+    def _append(self, row: dict[str, Any]) -> None:
         n = len(self.steps)
-        self.steps.append(result.global_train_step)
-        self.learning_rates.append(float(result.learning_rate))
+        self.steps.append(row["global_train_step"])
+        self.learning_rates.append(float(row["learning_rate"]))
+        losses = {k: v for k, v in row.items() if k not in _NOT_LOSSES and not k.startswith("memory_")}
         for name in losses:
             if name not in self.losses:  # a loss first marked now: no value before
                 self.losses[name], self.smoothed[name] = [math.nan] * n, [math.nan] * n
         for name, raw in self.losses.items():
-            value = losses.get(name, math.nan)
+            value = float(losses.get(name, math.nan))
             raw.append(value)
             self.smoothed[name].append(self._smooth(name, value))
-        if memory:
-            self.add_memory(result.global_train_step, memory)
 
     def _smooth(self, name: str, value: float) -> float:
         avg, count = self._ema.get(name, (0.0, 0))
@@ -134,18 +133,6 @@ class Timeline:
         avg, count = beta * avg + (1 - beta) * value, count + 1
         self._ema[name] = (avg, count)
         return avg / (1 - beta**count)
-
-    def _thin(self) -> None:
-        self.steps = self.steps[::2]
-        self.learning_rates = self.learning_rates[::2]
-        for series in (self.losses, self.smoothed):
-            for name in series:
-                series[name] = series[name][::2]
-        if len(self.memory_steps) > self.max_points:
-            self.memory_steps = self.memory_steps[::2]
-            for key in self.memory:
-                self.memory[key] = self.memory[key][::2]
-        self._stride *= 2
 
     # ---- reading ----------------------------------------------------------------------
 
@@ -172,12 +159,7 @@ class Timeline:
         return {k: int(v[-1]) for k, v in self.memory.items() if v and math.isfinite(v[-1])}
 
 
-def memory_now(device: torch.device | None, *, reset_peak: bool = False) -> dict[str, int]:
-    """Memory counters now (no device sync); on CUDA optionally starts a new peak window."""
-    memory = process_memory_bytes(device)
-    if reset_peak and device is not None and device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    return memory
+_NOT_LOSSES = set(COLUMNS)
 
 
 def _is_number(value: Any) -> bool:

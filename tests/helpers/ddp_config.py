@@ -16,6 +16,7 @@ import logging
 import os
 
 import torch
+from helpers import event_log as _event_log
 from helpers import models as _models
 
 import kit
@@ -45,7 +46,7 @@ optimizer = {"class": "sgd"}
 learning_rate = 0.002
 log_every_n_steps = 1
 
-_RECORD = {"seen": {}, "model_types": [], "model": None, "written": [], "logs": []}
+_RECORD = {"seen": {}, "model_types": [], "model": None, "written": [], "logs": [], "events": []}
 
 
 class _Recorder(logging.Handler):
@@ -73,3 +74,4 @@ if os.environ.get("KIT_DDP_DUMP"):
     _fileio.atomic_open = _recording_atomic_open  # every kit file write goes through it
     logging.getLogger("kit").addHandler(_Recorder())
     atexit.register(_dump)
+    _event_log.install(_RECORD["events"])  # the CLI's engine, made after this import

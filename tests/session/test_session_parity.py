@@ -86,7 +86,7 @@ def test_two_sessions_stepped_in_turns_each_equal_their_run_alone():
 
 def test_negative_control_without_swapping_rng_states_the_sessions_interfere(monkeypatch):
     expected = [alone("a"), alone("b")]
-    monkeypatch.setattr(Session, "_world", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(Session, "entered", lambda self: contextlib.nullcontext())
     got = interleaved()
     assert not all(states_equal(g[0], e[0]) for g, e in zip(got, expected))
     assert not all(torch.equal(g[1], e[1]) for g, e in zip(got, expected))

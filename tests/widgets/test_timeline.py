@@ -23,6 +23,9 @@ def step(g: int, losses: dict[str, float], *, epoch: int = 1, frac: float | None
         learning_rate=lr,
         complete_frac=frac,
         step_losses=StepLosses(names, sums, norms),
+        seconds=0.01,  # the history (the timeline's store) keeps these too
+        num_seqs=4,
+        memory_peak=None,
     )
 
 
