@@ -112,3 +112,43 @@ def test_negative_control_other_epoch_differs(tmp_path):
     opts = {"class": "HDFDataset", "files": files, "seq_ordering": "random"}
     with pytest.raises(AssertionError):
         _assert_same(_kit_read(opts, 1), _returnn_read({**opts, "cache_byte_size": 0}, 2))
+
+
+def _write_split(tmp_path, seqs):
+    """features in one file, alignments (other tag order) in another: MetaDataset joins them by tag."""
+    tags = [f"utt-{i}" for i in range(len(seqs))]
+    write_hdf(tmp_path / "feat.hdf", [{"data": s["data"]} for s in seqs], tags)
+    perm = np.random.default_rng(5).permutation(len(seqs))
+    write_hdf(tmp_path / "align.hdf", [{"classes": seqs[i]["classes"]} for i in perm], [tags[i] for i in perm])
+    return str(tmp_path / "feat.hdf"), str(tmp_path / "align.hdf")
+
+
+@pytest.mark.parametrize("control", [True, False])
+@pytest.mark.parametrize("ordering", ["random", "laplace:.3", "sorted_reverse"])
+def test_meta_dataset_equals_returnn(tmp_path, control, ordering):
+    feat, align = _write_split(tmp_path, _seqs(11, 4))
+    sub_opts = {"seq_ordering": ordering} if control else {}
+    opts = {
+        "class": "MetaDataset",
+        "datasets": {
+            "feat": {"class": "HDFDataset", "files": [feat], "cache_byte_size": 0, **sub_opts},
+            "align": {"class": "HDFDataset", "files": [align], "cache_byte_size": 0},
+        },
+        "data_map": {"data": ("feat", "data"), "classes": ("align", "classes")},
+        **({"seq_order_control_dataset": "feat"} if control else {"seq_ordering": ordering}),
+    }
+    for epoch in (1, 2):
+        _assert_same(_kit_read(opts, epoch), _returnn_read(opts, epoch))
+
+
+def test_concat_and_static_datasets_equal_returnn():
+    parts = [
+        {"class": "StaticDataset", "data": _seqs(6, 6), "seq_ordering": "random"},
+        {"class": "StaticDataset", "data": _seqs(4, 7), "seq_ordering": "sorted"},
+    ]
+    opts = {"class": "ConcatDataset", "datasets": parts}
+    for epoch in (1, 4):
+        _assert_same(_kit_read(opts, epoch), _returnn_read(opts, epoch))
+    static = {"class": "StaticDataset", "data": _seqs(9, 8), "seq_ordering": "laplace:.3", "partition_epoch": 2}
+    for epoch in (1, 2, 3):
+        _assert_same(_kit_read(static, epoch), _returnn_read(static, epoch))
