@@ -73,6 +73,7 @@ class Engine:
         self.last_batch: Any = None
         self._options: tuple[int, StepOptions] | None = None
         self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
+        self.views: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -94,6 +95,7 @@ class Engine:
             self.device, reason = self.dist.device, f"{reason}; {self.dist}"
         logger.info("device: %s (%s)", self.device, reason)
         self.datasets = resume.build_datasets(self.config)
+        self._attach_config_views()
         self.extern_data = resume.build_extern_data(self.config)
         self.scores = resume.open_score_table(self.config)
         if self.dist and not self.dist.is_main:  # rank 0 alone writes the score file
@@ -113,6 +115,14 @@ class Engine:
             self._ensure_training_parts()
             self._record_eval(start.epoch - 1, self.eval_model())
             self._save_scores()
+
+    def _attach_config_views(self) -> None:
+        """Views that a config key turns on, for the CLI and a Session alike (rank 0 only)."""
+        if self.config.bool("use_tensorboard") and resume.is_training(self) and (not self.dist or self.dist.is_main):
+            from kit.tensorboard import TensorBoardLogger
+
+            self.views.append(TensorBoardLogger.from_config(self.config, self.events,
+                                                            lambda: self.progress.global_train_step))
 
     def _create_model(self, epoch: int, step: int) -> torch.nn.Module:
         get_model = self.config.typed_value("get_model")
@@ -502,6 +512,9 @@ class Engine:
                 pipe.close()
         self.train_pipeline = None
         self._eval_pipelines.clear()
+        for view in self.views:
+            view.close()
+        self.views.clear()
         self.model = self.updater = self.grad_scaler = None
         if self.dist:  # destroys the process group it created
             self.dist.close()
