@@ -164,8 +164,12 @@ class Engine:
             self._options = (self.config.version, StepOptions.read(self.config))
         return self._options[1]
 
-    def train_step(self) -> StepResult | None:
-        """Train on the next micro-batch of the current epoch; None once the epoch's data is used up."""
+    def train_step(self, *, probe_lr: float | None = None) -> StepResult | None:
+        """Train on the next micro-batch of the current epoch; None once the epoch's data is used up.
+
+        ``probe_lr``: a probe step (the LR finder) with this learning rate instead of the schedule's,
+        without the step's log line and step checkpoint.
+        """
         self._ensure_training_parts()
         p = self.progress
         if not p.epoch_running:
@@ -187,7 +191,7 @@ class Engine:
         if p.accum_count == 0:
             self.updater.optimizer.zero_grad(set_to_none=True)
         opts = self.step_options
-        lr = self._set_step_learning_rate(batch, opts)
+        lr = self._set_step_learning_rate(batch, opts) if probe_lr is None else self._set_probe_lr(probe_lr)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
@@ -213,6 +217,8 @@ class Engine:
         p.step_in_epoch += 1
         p.global_train_step += 1
         self.events.emit("step_end", result=result)
+        if probe_lr is not None:
+            return result
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
             self._log_step(result)
         if opts.save_every and p.global_train_step % opts.save_every == 0:
@@ -318,6 +324,11 @@ class Engine:
         if lr != self._step_lr:
             self.updater.set_learning_rate(lr)
             self._step_lr = lr
+        return lr
+
+    def _set_probe_lr(self, lr: float) -> float:
+        self.updater.set_learning_rate(lr)
+        self._step_lr = lr  # the next scheduled step sets its own again
         return lr
 
     @staticmethod
