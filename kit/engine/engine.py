@@ -73,6 +73,7 @@ class Engine:
         self.last_batch: Any = None
         self._options: tuple[int, StepOptions] | None = None
         self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
+        self.views: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -94,6 +95,7 @@ class Engine:
             self.device, reason = self.dist.device, f"{reason}; {self.dist}"
         logger.info("device: %s (%s)", self.device, reason)
         self.datasets = parts.build_datasets(self.config)
+        self._attach_config_views()
         self.extern_data = parts.build_extern_data(self.config)
         self.scores = parts.open_score_table(self.config)
         if self.dist and not self.dist.is_main:  # rank 0 alone writes the score file
@@ -113,6 +115,14 @@ class Engine:
             self._ensure_training_parts()
             self._record_eval(start.epoch - 1, self.eval_model())
             self._save_scores()
+
+    def _attach_config_views(self) -> None:
+        """Views that a config key turns on, for the CLI and a Session alike (rank 0 only)."""
+        if self.config.bool("use_tensorboard") and start_.is_training(self) and (not self.dist or self.dist.is_main):
+            from kit.tensorboard import TensorBoardLogger
+
+            self.views.append(TensorBoardLogger.from_config(self.config, self.events,
+                                                            lambda: self.progress.global_train_step))
 
     def _create_model(self, epoch: int, step: int) -> torch.nn.Module:
         get_model = self.config.typed_value("get_model")
@@ -154,8 +164,12 @@ class Engine:
             self._options = (self.config.version, StepOptions.read(self.config))
         return self._options[1]
 
-    def train_step(self) -> StepResult | None:
-        """Train on the next micro-batch of the current epoch; None once the epoch's data is used up."""
+    def train_step(self, *, probe_lr: float | None = None) -> StepResult | None:
+        """Train on the next micro-batch of the current epoch; None once the epoch's data is used up.
+
+        ``probe_lr``: a probe step (the LR finder) with this learning rate instead of the schedule's,
+        without the step's log line and step checkpoint.
+        """
         self._ensure_training_parts()
         p = self.progress
         if not p.epoch_running:
@@ -177,7 +191,7 @@ class Engine:
         if p.accum_count == 0:
             self.updater.optimizer.zero_grad(set_to_none=True)
         opts = self.step_options
-        lr = self._set_step_learning_rate(batch, opts)
+        lr = self._set_step_learning_rate(batch, opts) if probe_lr is None else self._set_probe_lr(probe_lr)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
@@ -203,6 +217,8 @@ class Engine:
         p.step_in_epoch += 1
         p.global_train_step += 1
         self.events.emit("step_end", result=result)
+        if probe_lr is not None:
+            return result
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
             self._log_step(result)
         if opts.save_every and p.global_train_step % opts.save_every == 0:
@@ -308,6 +324,11 @@ class Engine:
         if lr != self._step_lr:
             self.updater.set_learning_rate(lr)
             self._step_lr = lr
+        return lr
+
+    def _set_probe_lr(self, lr: float) -> float:
+        self.updater.set_learning_rate(lr)
+        self._step_lr = lr  # the next scheduled step sets its own again
         return lr
 
     @staticmethod
@@ -502,6 +523,9 @@ class Engine:
                 pipe.close()
         self.train_pipeline = None
         self._eval_pipelines.clear()
+        for view in self.views:
+            view.close()
+        self.views.clear()
         self.model = self.updater = self.grad_scaler = None
         if self.dist:  # destroys the process group it created
             self.dist.close()

@@ -201,6 +201,25 @@ class Session(TrainingLoop, Debugging):
         self._stashed_state = None
         self._mid_step = None
 
+    # ---- tools --------------------------------------------------------------------------
+
+    def lr_find(self, start_lr: float = 1e-7, end_lr: float = 10.0, num_steps: int = 100, **options: Any) -> Any:
+        """An exponential LR sweep on the next training batches → DataFrame (lr, loss, smoothed_loss)
+        with ``.suggestion`` and ``.plot()``; afterwards the session is bitwise as it was.
+
+        Works at any step boundary (mid-epoch too); refuses while training runs in the background.
+        ``options``: ``smoothing``, ``diverge_factor``, ``loss`` (see :func:`kit.lr_finder.lr_find`).
+        """
+        if self.is_training:
+            raise SessionStateError("lr_find: the session is training (in the background); "
+                                    "call session.pause() and session.wait() first")
+        self._check_can_train()
+        from kit.lr_finder import lr_find
+
+        self._training_parts()
+        with self._world():
+            return lr_find(self.engine, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps, **options)
+
     # ---- eval and forward ---------------------------------------------------------------
 
     def eval(self, datasets: Any = None) -> dict[str, dict[str, float]]:
