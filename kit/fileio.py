@@ -1,7 +1,6 @@
 """Atomic file writes: temp file in the same directory → flush + fsync → rename → fsync dir.
 
 A crash at any instant leaves either the old file or the new one, never a torn file.
-Tests can slow writes down (``KIT_TEST_SLOW_WRITE_SECS``) to kill a process mid-save.
 """
 
 from __future__ import annotations
@@ -9,8 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import IO
 
 TEMP_MARK = ".kit-tmp-"
@@ -41,7 +39,6 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
-            _maybe_slow_down()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -60,12 +57,6 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_with(path: str | os.PathLike, write: Callable[[IO], None]) -> None:
-    """Atomically write ``path`` with ``write(fileobj)`` (e.g. ``lambda f: torch.save(obj, f)``)."""
-    with atomic_open(path, "wb") as f:
-        write(f)
-
-
 def remove_stale_temp_files(directory: str, prefix: str = "") -> list[str]:
     """Delete temp files left by a crash during an earlier write; returns their paths."""
     removed = []
@@ -78,8 +69,3 @@ def remove_stale_temp_files(directory: str, prefix: str = "") -> list[str]:
                 removed.append(os.path.join(directory, name))
     return removed
 
-
-def _maybe_slow_down() -> None:
-    secs = os.environ.get("KIT_TEST_SLOW_WRITE_SECS")
-    if secs:
-        time.sleep(float(secs))
