@@ -63,6 +63,7 @@ class Engine:
         self._epoch_lr = 0.0
         self._step_lr = 0.0
         self.last_checkpoint: Any = None
+        self.prefix_lock: Any = None  # kit.checkpoints.lock.PrefixLock while this engine trains into `model`
         # a privileged subscriber (kit.debug.Debugger): called directly, so it may raise or stop
         self.debugger: Any = None
         if config.typed_value("debug_hook") is not None:  # the CLI and torchrun too; a Session installs its own
@@ -93,12 +94,15 @@ class Engine:
         if self.dist:  # one process per device (cuda:LOCAL_RANK)
             self.device, reason = self.dist.device, f"{reason}; {self.dist}"
         logger.info("device: %s (%s)", self.device, reason)
+        if self.model_prefix and resume.is_training(self) and (not self.dist or self.dist.is_main):
+            self.prefix_lock = resume.lock_prefix(self.model_prefix)  # 'model' writable and ours, before any step
         self.datasets = resume.build_datasets(self.config)
         self.extern_data = resume.build_extern_data(self.config)
         self.scores = resume.open_score_table(self.config)
         if self.dist and not self.dist.is_main:  # rank 0 alone writes the score file
             self.scores.path = None
         start = resume.find_start(self.config, self.scores, training=resume.is_training(self))
+        resume.warn_config_changes(self.config, start)
         self.progress.epoch = start.epoch
         self.progress.global_train_step = start.global_train_step
         self.model = self._create_model(start.epoch, start.global_train_step)
@@ -364,8 +368,6 @@ class Engine:
         self._save_scores()
         if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
             self.save_checkpoint(kind="epoch", epoch=epoch)
-            if not self.dist or self.dist.is_main:
-                resume.cleanup(self)
         row = self.epoch_scores(epoch)
         logger.info("finished epoch %d: %s", epoch, _format_scores(self.scores.scores(epoch)))
         self.events.emit("epoch_end", epoch=epoch, scores=row)
@@ -467,6 +469,8 @@ class Engine:
         else:
             ckpt = resume.save(self, kind=kind, epoch=epoch)
         self.last_checkpoint = ckpt
+        if not self.dist or self.dist.is_main:  # after every save, so that disk use stays bounded mid-epoch too
+            resume.cleanup(self)
         self.events.emit("checkpoint_saved", checkpoint=ckpt)
         return ckpt
 
@@ -503,6 +507,9 @@ class Engine:
         self.train_pipeline = None
         self._eval_pipelines.clear()
         self.model = self.updater = self.grad_scaler = None
+        if self.prefix_lock is not None:
+            self.prefix_lock.release()
+            self.prefix_lock = None
         if self.dist:  # destroys the process group it created
             self.dist.close()
             self.dist = None
