@@ -16,6 +16,7 @@ from kit.errors import (
     DataError,
     KitError,
     NonFiniteLossError,
+    ScoreFileError,
     SessionStateError,
     UnsafeCheckpointError,
 )
@@ -42,7 +43,7 @@ _SUBMODULES = {"data", "engine", "checkpoints", "scores", "run_ctx", "debug", "w
 
 __all__ = [
     "CheckpointError", "Config", "ConfigError", "CorruptCheckpointError", "DataError", "KitError",
-    "NonFiniteLossError", "SessionStateError", "UnsafeCheckpointError", *_LAZY,
+    "NonFiniteLossError", "ScoreFileError", "SessionStateError", "UnsafeCheckpointError", *_LAZY,
 ]
 
 

@@ -52,7 +52,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if isinstance(e, OSError) and e.filename is None:
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None and e.strerror:
             e.filename = path  # ENOSPC from write() names no file; the message then ends with it
         raise
     fsync_dir(directory)
