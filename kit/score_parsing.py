@@ -47,12 +47,12 @@ _NAMES: dict[str, Any] = {"nan": math.nan, "inf": math.inf, "NaN": math.nan, "In
 
 def parse_score_text(text: str, path: str) -> dict[str, Any]:
     """A checked ScoreTable state dict from a score file's text (kit JSON or RETURNN's format)."""
-    stripped = text.strip()
-    if not stripped:
+    head = re.match(r"\s*(\{\s*\"|\S|$)", text[:4096])  # no copy of a large text: only its head is looked at
+    if head is None or not head[1]:
         return {"epochs": {}, "error_keys": []}
-    if stripped.startswith("{") and stripped[1:].lstrip().startswith('"'):
-        return checked_state(_parse_json(stripped, path), path)
-    return checked_state(parse_returnn_lr_file(stripped, path), path)
+    if head[1].startswith("{") and head[1].endswith('"'):
+        return checked_state(_parse_json(text, path), path, in_place=True)
+    return checked_state(parse_returnn_lr_file(text, path), path, in_place=True)
 
 
 def _parse_json(text: str, path: str) -> dict[str, Any]:
@@ -90,6 +90,7 @@ class _Parser:
     def __init__(self, text: str, path: str):
         self.text, self.path, self.pos = text, path, 0
         self.kind, self.value, self.start = "", "", 0
+        self.names: dict[str, str] = {}
         self.advance()
 
     # ---- tokens ---------------------------------------------------------------------------
@@ -148,10 +149,14 @@ class _Parser:
     def fast_row(self, m: re.Match[str]) -> dict[str, Any]:
         """The row of a regex match of RETURNN's usual row shape (same result as the general parser)."""
         kwargs = {"learningRate": _number(m[2], self),
-                  "error": {key: _number(value, self) for key, value in _FAST_ENTRY.findall(m[3])}}
+                  "error": {self.name(key): _number(value, self) for key, value in _FAST_ENTRY.findall(m[3])}}
         self.pos = m.end()
         self.advance()
         return _row_from_epoch_data(kwargs, self)
+
+    def name(self, key: str) -> str:
+        """One string object per distinct score name (60k rows share a handful of names)."""
+        return self.names.setdefault(key, key)
 
     def epoch_data(self) -> dict[str, Any]:
         if not (self.kind == "name" and self.value == "EpochData"):
@@ -272,8 +277,11 @@ def _row_from_epoch_data(kwargs: dict[str, Any], parser: _Parser) -> dict[str, A
 # ---- the shape of a state dict ----------------------------------------------------------------
 
 
-def checked_state(state: Any, path: str) -> dict[str, Any]:
-    """``state`` with every row checked and converted (floats, int epochs); ScoreFileError naming what is wrong."""
+def checked_state(state: Any, path: str, *, in_place: bool = False) -> dict[str, Any]:
+    """``state`` with every row checked and converted (floats, int epochs); ScoreFileError naming what is wrong.
+
+    ``in_place``: rows are converted inside ``state`` (a freshly parsed file: no second copy in memory).
+    """
     if not isinstance(state, Mapping):
         raise ScoreFileError(f"score file '{path}': a {type(state).__name__}, expected a table")
     epochs = state.get("epochs", {})
@@ -282,7 +290,7 @@ def checked_state(state: Any, path: str) -> dict[str, Any]:
     rows = {}
     for key, row in epochs.items():
         epoch = _epoch_key(key, path)
-        rows[epoch] = _checked_row(row, f"score file '{path}': epoch {epoch}")
+        rows[epoch] = _checked_row(row, f"score file '{path}': epoch {epoch}", in_place)
     error_keys = state.get("error_keys", [])
     if not isinstance(error_keys, (list, tuple, set)) or not all(isinstance(k, str) for k in error_keys):
         raise ScoreFileError(f"score file '{path}': 'error_keys' is {_show(error_keys)}, expected a list of names")
@@ -297,7 +305,7 @@ def _epoch_key(key: Any, path: str) -> int:
     raise ScoreFileError(f"score file '{path}': epoch {_show(key)} is not an epoch number")
 
 
-def _checked_row(row: Any, where: str) -> dict[str, Any]:
+def _checked_row(row: Any, where: str, in_place: bool = False) -> dict[str, Any]:
     if not isinstance(row, Mapping):
         raise ScoreFileError(f"{where}: the row is a {type(row).__name__}, expected "
                              '{"learning_rate": .., "scores": {..}, "meta": {..}}')
@@ -307,11 +315,15 @@ def _checked_row(row: Any, where: str) -> dict[str, Any]:
         raise ScoreFileError(f"{where}: scores is a {type(scores).__name__}, expected name -> number")
     if not isinstance(meta, Mapping):
         raise ScoreFileError(f"{where}: meta is a {type(meta).__name__}, expected name -> value")
-    return {
-        "learning_rate": None if lr is None else _float(lr, f"{where}: the learning rate"),
-        "scores": {str(k): _float(v, f"{where}: score {k!r}") for k, v in scores.items()},
-        "meta": dict(meta),
-    }
+    lr = None if lr is None else _float(lr, f"{where}: the learning rate")
+    if in_place and isinstance(row, dict) and isinstance(scores, dict) and isinstance(meta, dict) \
+            and all(isinstance(k, str) for k in scores):
+        for k, v in scores.items():
+            scores[k] = _float(v, f"{where}: score {k!r}")
+        row.update(learning_rate=lr, scores=scores, meta=meta)
+        return row
+    return {"learning_rate": lr, "scores": {str(k): _float(v, f"{where}: score {k!r}") for k, v in scores.items()},
+            "meta": dict(meta)}
 
 
 def _float(value: Any, what: str) -> float:

@@ -68,7 +68,9 @@ class ScoreTable:
             if missing_ok:
                 return table
             raise
-        table.load_state_dict(parse_score_text(text, path))
+        state = parse_score_text(text, path)
+        del text
+        table.set_checked_state(state)
         return table
 
     @property
@@ -177,9 +179,16 @@ class ScoreTable:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace the rows; a malformed ``state`` is a :class:`~kit.errors.ScoreFileError` naming the table's file."""
-        checked = checked_state(state, self.path or "<state dict>")
-        self._rows = {epoch: {**_empty_row(), **row} for epoch, row in checked["epochs"].items()}
-        self._error_keys = set(checked["error_keys"])
+        self.set_checked_state(checked_state(state, self.path or "<state dict>"))
+
+    def set_checked_state(self, state: Mapping[str, Any]) -> None:
+        """Adopt the rows of a state that :func:`kit.score_parsing.checked_state` produced (not copied)."""
+        rows = state["epochs"]
+        for row in rows.values():
+            for key, value in _empty_row().items():
+                row.setdefault(key, value)
+        self._rows = rows
+        self._error_keys = set(state["error_keys"])
 
     # ---- views --------------------------------------------------------------------------
 

@@ -94,6 +94,10 @@ class Engine:
         if self.dist:  # one process per device (cuda:LOCAL_RANK)
             self.device, reason = self.dist.device, f"{reason}; {self.dist}"
         logger.info("device: %s (%s)", self.device, reason)
+        if resume.is_training(self):  # the optimizer's class and keywords, before data and model are built
+            from kit.engine.optimizer_check import check_optimizer
+
+            check_optimizer(self.config)
         if self.model_prefix and resume.is_training(self) and (not self.dist or self.dist.is_main):
             self.prefix_lock = resume.lock_prefix(self.model_prefix)  # 'model' writable and ours, before any step
         self.datasets = resume.build_datasets(self.config)
@@ -283,7 +287,7 @@ class Engine:
     def _run_user_step(self, fn: Callable, ctx: RunCtx, batch: Any, *, stage: str) -> None:
         try:
             with run_ctx_scope(ctx), amp.autocast(self.device, self.amp_dtype):
-                fn(model=self.model, extern_data=batch)
+                ctx.returned = fn(model=self.model, extern_data=batch)
         except Exception as exc:
             annotate_exception(exc, stage=stage, model=self.model, batch=batch)
             self.events.emit("exception", error=exc, stage=stage, batch=batch)
