@@ -43,10 +43,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         main = engine.dist is None or engine.dist.is_main  # under torchrun, rank 0 reports
     finally:
         engine.close()
-    epochs = [e for e in engine.scores.epochs if engine.scores.has_scores(e)]
+    table = engine.built_scores
+    epochs = [e for e in table.epochs if table.has_scores(e)]
     if main and epochs:  # stdout: one line for scripts (the log on stderr says the same and more)
         last = epochs[-1]
-        print(f"finished epoch {last}: " + ", ".join(f"{k} {v:.4g}" for k, v in engine.scores.scores(last).items()))
+        print(f"finished epoch {last}: " + ", ".join(f"{k} {v:.4g}" for k, v in table.scores(last).items()))
     return 0
 
 

@@ -15,7 +15,7 @@ import torch
 
 def get_rng_state() -> dict[str, Any]:
     """A snapshot of all global RNG states."""
-    np_state = np.random.get_state(legacy=True)
+    np_state: tuple[Any, ...] = np.random.get_state(legacy=True)  # type: ignore[assignment]  # legacy=True: a tuple
     py_version, py_internal, py_gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),

@@ -10,6 +10,7 @@ Every problem (unknown key, wrong type, out of range) is collected and raised as
 
 from __future__ import annotations
 
+import builtins
 import difflib
 import hashlib
 import os
@@ -218,7 +219,7 @@ class Config(Mapping[str, Any]):
         except (TypeError, ValueError):
             raise ConfigError(f"config key '{key}': got {value!r}, expected {expected}") from None
 
-    def has(self, key: str) -> bool:
+    def has(self, key: str) -> builtins.bool:
         """Whether the key was set explicitly (registry defaults do not count)."""
         return key in self._values or key in self._user_globals
 
@@ -231,13 +232,13 @@ class Config(Mapping[str, Any]):
             return self._user_globals[key]
         raise KeyError(key)
 
-    def __contains__(self, key: object) -> bool:
+    def __contains__(self, key: object) -> builtins.bool:
         return key in self._values or key in self._user_globals
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)
 
-    def __len__(self) -> int:
+    def __len__(self) -> builtins.int:
         return len(self._values)
 
     @property
@@ -254,6 +255,11 @@ class Config(Mapping[str, Any]):
         for name in sorted(self._values):
             h.update(f"{name}={_describe(self._values[name])};".encode())
         return h.hexdigest()[:16]
+
+    def key_digests(self) -> dict[str, str]:
+        """A short hash per setting (as in :meth:`digest`), so that a resume can name the keys that changed."""
+        return {name: hashlib.sha256(_describe(self._values[name]).encode()).hexdigest()[:12]
+                for name in sorted(self._values)}
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={_describe(v)}" for k, v in sorted(self._values.items()))

@@ -9,13 +9,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from kit.data.dataset import ArrayDataset, Dataset, GeneratorDataset, TorchDataset
+from kit.data.hdf import HDFDataset
+from kit.data.meta import ConcatDataset, MetaDataset, StaticDataset
 from kit.data.text import CharTextDataset
 from kit.data.toy import Task12AXDataset
 from kit.errors import ConfigError, DataError
 
 BUILTINS: dict[str, type] = {
     cls.__name__: cls
-    for cls in (ArrayDataset, GeneratorDataset, TorchDataset, Task12AXDataset, CharTextDataset)
+    for cls in (
+        ArrayDataset,
+        GeneratorDataset,
+        TorchDataset,
+        Task12AXDataset,
+        CharTextDataset,
+        HDFDataset,
+        StaticDataset,
+        ConcatDataset,
+        MetaDataset,
+    )
 }
 
 
@@ -89,7 +101,7 @@ def _check_options(cls: type, opts: dict[str, Any]) -> None:
         sig = inspect.signature(cls)
     except (TypeError, ValueError):
         return
-    params = sig.parameters
+    params: Mapping[str, inspect.Parameter] = sig.parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         # our built-ins pass **opts to Dataset.__init__; those are the known ones
         if issubclass(cls, Dataset):

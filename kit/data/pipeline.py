@@ -90,7 +90,8 @@ class Pipeline:
         self.batch_size, self.max_seqs = batch_size, max_seqs
         self.min_seq_length, self.max_seq_length = min_seq_length, max_seq_length
         self.chunking = chunking if (train or chunking_in_eval) else None
-        problem = KEYS["chunking"].check(self.chunking)
+        check = KEYS["chunking"].check
+        problem = check(self.chunking) if check is not None else None
         if problem:
             raise ConfigError(f"chunking: got {self.chunking!r}, expected {problem}")
         self.min_chunk_size = min_chunk_size
@@ -109,7 +110,7 @@ class Pipeline:
             self._pool = WorkerPool(self._loader, self.num_workers, opts)
         self._lengths: dict[str, np.ndarray] | None = None
         self._entries: list[batching.Entry] = []
-        self._ranges: list[tuple[int, int]] | None = None
+        self._ranges: list[tuple[int, int]] = None  # type: ignore[assignment]  # None until set_epoch plans
         self._iter: Iterator[Batch] | None = None
         self.epoch = 0
         self.position = 0
@@ -254,7 +255,7 @@ class Pipeline:
             batch = self._loader.load(self._entries[a:b])
         else:
             if self._iter is None:
-                items = [(i, self._entries[a:b]) for i, (a, b) in enumerate(self._ranges)][self.position :]
+                items: list[Any] = [(i, self._entries[a:b]) for i, (a, b) in enumerate(self._ranges)][self.position :]
                 self._iter = self._pool.start(items)
             batch = next(self._iter)
         batch.epoch, batch.batch_idx = self.epoch, self.position
@@ -274,7 +275,7 @@ class Pipeline:
         """Continue at ``state``'s epoch and position: the remaining batches come next."""
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 1:  # saved before the first set_epoch
-            self.epoch, self.position, self._ranges = 0, 0, None
+            self.epoch, self.position, self._ranges = 0, 0, None  # type: ignore[assignment]
             return
         self.set_epoch(epoch)
         saved = state.get("num_batches")

@@ -45,7 +45,7 @@ class _PlanSampler:
         return len(self.items)
 
 
-def _identity(batch: Batch) -> Batch:
+def _identity(batch: Any) -> Any:  # the loader's batches come whole (batch_size=None)
     return batch
 
 

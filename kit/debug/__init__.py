@@ -25,16 +25,20 @@ first NaN/Inf: aten.div.Tensor in module scale (Scale), forward, from finite inp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kit.debug.hooks import DebugStop, capture, post_mortem, raise_
 from kit.engine.debugging import DEBUG_EVENTS, DebugContext, Debugger, rng_kept
+
+if TYPE_CHECKING:
+    from kit.debug.replay_step import ReplayReport
+    from kit.engine.engine import Engine
 
 __all__ = ["DEBUG_EVENTS", "DebugContext", "DebugStop", "Debugger", "Finding", "ReplayReport", "capture",
            "post_mortem", "raise_", "replay", "rng_kept"]
 
 
-def replay(engine: Any, ctx: DebugContext, *, anomaly: bool = True) -> Any:
+def replay(engine: Engine, ctx: DebugContext, *, anomaly: bool = True) -> ReplayReport:
     """Re-run exactly the captured step and name the first op/module/line that made a NaN/Inf.
 
     Returns a :class:`kit.debug.ReplayReport`; see :mod:`kit.debug.replay_step`.

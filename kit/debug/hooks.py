@@ -13,7 +13,7 @@ from kit.engine.debugging import DebugContext
 from kit.errors import KitError
 
 _LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules["kit"])
+    os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep for m in (torch, sys.modules["kit"])
 )
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
@@ -66,7 +66,7 @@ def post_mortem(ctx: DebugContext) -> None:
     try:
         from IPython.core.debugger import Pdb
     except ImportError:  # plain Python
-        from pdb import Pdb
+        from pdb import Pdb  # type: ignore[assignment]
     below = _frames_below_user_code(tb)
     if below:
         print(f"(the debugger starts where the error was raised; `up` {below} times leads to your code)")

@@ -14,6 +14,7 @@ import html
 import linecache
 import math
 import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -183,7 +184,7 @@ def _nonfinite(x: Any) -> bool:
 
 def _user_frame() -> tuple[str, int, str] | None:
     """The innermost frame outside torch, kit and the standard library: the user's line."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         if is_user_file(frame.f_code.co_filename):
             return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
@@ -296,7 +297,7 @@ class _Stamper(TorchFunctionMode):
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
                 origin = origin or self.tracer.origin()
-                leaf.grad_fn.metadata.setdefault("kit_origin", origin)
+                leaf.grad_fn.metadata.setdefault("kit_origin", origin)  # type: ignore[attr-defined]  # a dict
         return out
 
 
@@ -369,9 +370,9 @@ def replay_step(engine: Engine, ctx: DebugContext, *, anomaly: bool = True) -> R
     """
     if ctx is None or ctx.batch is None:
         raise KitError("nothing to replay: no captured batch (none was captured, or it was released)")
-    model, train = engine.model, ctx.stage == "train"
+    model, train = engine.built_model, ctx.stage == "train"
     fn = engine.config.typed_value("forward_step" if ctx.stage == "forward" else "train_step")
-    batch = ctx.batch.to(engine.device)
+    batch = ctx.batch.to(engine.built_device)
     stack: list[tuple[str, str]] = []
     tracer = _Tracer(stack, stamp=anomaly and train)
     run = RunCtx(

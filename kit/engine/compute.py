@@ -31,9 +31,10 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def forward(engine: Engine, fn: UserStep, ctx: RunCtx, batch: Batch) -> None:
-    """``fn(model=, extern_data=)`` under the run context ``ctx`` (it collects the marked losses) and autocast."""
-    with run_ctx_scope(ctx), amp.autocast(engine.device, engine.amp_dtype):
-        fn(model=engine.model, extern_data=batch)
+    """``fn(model=, extern_data=)`` under the run context ``ctx`` (it collects the marked losses) and autocast;
+    what ``fn`` returned is kept as ``ctx.returned`` (kit ignores it, but says so when no loss was marked)."""
+    with run_ctx_scope(ctx), amp.autocast(engine.built_device, engine.amp_dtype):
+        ctx.returned = fn(model=engine.model, extern_data=batch)
 
 
 def run_user_step(engine: Engine, fn: UserStep, ctx: RunCtx, batch: Batch, *, stage: str) -> None:

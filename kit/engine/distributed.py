@@ -56,12 +56,17 @@ import difflib
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from kit.errors import ConfigError, DataError, KitError
+
+if TYPE_CHECKING:
+    from kit.config import Config
+    from kit.data.dataset import Dataset
+    from kit.data.pipeline import Pipeline
 
 logger = logging.getLogger("kit")
 
@@ -236,7 +241,7 @@ class DistributedContext:
 
     # ---- data --------------------------------------------------------------------------
 
-    def pipeline(self, dataset: Any, config: Any, *, train: bool, **overrides: Any) -> Any:
+    def pipeline(self, dataset: Dataset, config: Config, *, train: bool, **overrides: Any) -> Pipeline:
         """``Pipeline.from_config`` giving this rank's share of each epoch (see the module docstring)."""
         return _sharded_pipeline_class().from_config(
             dataset, config, train=train, shard=(self.rank, self.world_size, train), **overrides
@@ -260,6 +265,7 @@ class DistributedContext:
         if self.ddp is None:
             return fn
         ddp, step_module = self.ddp, self._step_module
+        assert step_module is not None  # made together with self.ddp
 
         def train_step_in_ddp(*, model: torch.nn.Module, **kwargs: Any) -> None:
             step_module.call = (fn, kwargs)
@@ -274,7 +280,7 @@ class DistributedContext:
 
     def after_update(self, model: torch.nn.Module, num_updates: int) -> None:
         """``"param"``: average the weights every ``param_sync_step`` updates (counted globally)."""
-        if self.reduce_type == "param" and num_updates % self.param_sync_step == 0:
+        if self.reduce_type == "param" and self.param_sync_step and num_updates % self.param_sync_step == 0:
             average_parameters(model, self.world_size)
 
     def finish_train_epoch(self, model: torch.nn.Module, accounting: Any) -> None:
@@ -349,6 +355,8 @@ class _StepModule(torch.nn.Module):
     def forward(self) -> list[torch.Tensor]:
         from kit.run_ctx import get_run_ctx
 
+        if self.call is None:
+            raise KitError("the DDP step module runs only inside DistributedContext.train_step")
         fn, kwargs = self.call
         fn(model=self.model, **kwargs)
         return [loss.sum for loss in get_run_ctx().losses.values() if loss.sum.requires_grad]
@@ -367,7 +375,7 @@ def shard(items: list[Any], rank: int, world_size: int, *, drop_remainder: bool)
 _SHARDED: type | None = None
 
 
-def _sharded_pipeline_class() -> type:
+def _sharded_pipeline_class() -> type[Pipeline]:
     """``ShardedPipeline``, made on first use (kit.data loads only when data is needed)."""
     global _SHARDED
     if _SHARDED is None:
@@ -376,15 +384,15 @@ def _sharded_pipeline_class() -> type:
         class ShardedPipeline(Pipeline):
             """A Pipeline that keeps this rank's share of each epoch's batch plan."""
 
-            def __init__(self, dataset: Any, *, shard: tuple[int, int, bool], **kwargs: Any):
+            def __init__(self, dataset: Dataset, *, shard: tuple[int, int, bool], **kwargs: Any):
                 self.shard = shard
                 super().__init__(dataset, **kwargs)
 
             def set_epoch(self, epoch: int) -> None:
                 super().set_epoch(epoch)
                 rank, world_size, drop_remainder = self.shard
-                planned = len(self._ranges)
-                self._ranges = shard(self._ranges, rank, world_size, drop_remainder=drop_remainder)
+                planned = len(self._ranges or [])
+                self._ranges = shard(self._ranges or [], rank, world_size, drop_remainder=drop_remainder)
                 if drop_remainder and not self._ranges:
                     raise DataError(
                         f"epoch {epoch} has {planned} batch(es) for {world_size} processes (torch_distributed): "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -38,6 +38,7 @@ from kit.scores import ScoreTable
 
 if TYPE_CHECKING:
     from kit.checkpoints import Checkpoint
+    from kit.checkpoints.lock import PrefixLock
     from kit.data.extern_data import ExternData
     from kit.data.pipeline import Pipeline
     from kit.engine.lr_control import LearningRateControl
@@ -83,6 +84,7 @@ class Engine:
         self.last_failure: DebugContext | None = None  # what kit.debug.capture kept (no Session)
         # a privileged subscriber: called directly, so it may raise or stop
         self.debugger: DebugProtocol | None = None
+        self.prefix_lock: PrefixLock | None = None  # while this engine trains into `model`
         if config.typed_value("debug_hook") is not None:  # the CLI and torchrun too; a Session installs its own
             self.debugger = Debugger(self, lambda: self.config.typed_value("debug_hook"), self.keep_failure)
         self.step_rng_state: RngState | None = None  # the RNG right before the last step's user code
@@ -90,9 +92,40 @@ class Engine:
         self._options: tuple[int, StepOptions] | None = None
         self._final_epoch: int | None = None
         self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
+        self.views: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
 
     def keep_failure(self, ctx: DebugContext) -> None:
         self.last_failure = ctx
+
+    # ---- the parts, once set up (a clear error before) ------------------------------------
+
+    @property
+    def built_model(self) -> torch.nn.Module:
+        return _built(self.model, "model")
+
+    @property
+    def built_updater(self) -> Updater:
+        return _built(self.updater, "optimizer")
+
+    @property
+    def built_scores(self) -> ScoreTable:
+        return _built(self.scores, "score table")
+
+    @property
+    def built_lr_control(self) -> LearningRateControl:
+        return _built(self.lr_control, "learning-rate control")
+
+    @property
+    def built_pipeline(self) -> Pipeline:
+        return _built(self.train_pipeline, "train pipeline")
+
+    @property
+    def built_memory(self) -> MemoryMeter:
+        return _built(self.memory, "memory meter")
+
+    @property
+    def built_device(self) -> torch.device:
+        return _built(self.device, "device")
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -114,16 +147,16 @@ class Engine:
     @property
     def learning_rate(self) -> float | None:
         """The learning rate the optimizer holds now; None before the optimizer exists."""
-        return self.updater.learning_rate if self.updater is not None else None
+        return self.built_updater.learning_rate if self.updater is not None else None
 
     @property
     def num_parameters(self) -> int | None:
         """Elements of the model's parameters; None before the model is built."""
-        return sum(t.numel() for t in self.model.parameters()) if self.model is not None else None
+        return sum(t.numel() for t in self.built_model.parameters()) if self.model is not None else None
 
     def memory_now(self) -> MemoryFigures | None:
         """Memory figures now (read when asked, never inside a step); None before set-up."""
-        return self.memory.now() if self.memory is not None else None
+        return self.built_memory.now() if self.memory is not None else None
 
     @property
     def model_prefix(self) -> str | None:
@@ -139,12 +172,20 @@ class Engine:
             self.device, reason = self.dist.device, f"{reason}; {self.dist}"
         logger.info("device: %s (%s)", self.device, reason)
         self.memory = MemoryMeter(self.device)
+        if start_.is_training(self):  # the optimizer's class and keywords, before data and model are built
+            from kit.engine.optimizer_check import check_optimizer
+
+            check_optimizer(self.config)
+        if self.model_prefix and start_.is_training(self) and (not self.dist or self.dist.is_main):
+            self.prefix_lock = start_.lock_prefix(self.model_prefix)  # 'model' writable and ours, before any step
         self.datasets = parts.build_datasets(self.config)
+        self._attach_config_views()
         self.extern_data = parts.build_extern_data(self.config)
         self.scores = parts.open_score_table(self.config)
         if self.dist and not self.dist.is_main:  # rank 0 alone writes the score file
-            self.scores.path = None
+            self.built_scores.path = None
         start = start_.find_start(self.config, self.scores, training=start_.is_training(self))
+        start_.warn_config_changes(self.config, start)
         self.progress.epoch = start.epoch
         self.progress.global_train_step = start.global_train_step
         self.model = self._create_model(start.epoch, start.global_train_step)
@@ -159,6 +200,14 @@ class Engine:
             self.ensure_training_parts()
             self.record_eval(start.epoch - 1, self.eval_model())
             self.save_scores()
+
+    def _attach_config_views(self) -> None:
+        """Views that a config key turns on, for the CLI and a Session alike (rank 0 only)."""
+        if self.config.bool("use_tensorboard") and start_.is_training(self) and (not self.dist or self.dist.is_main):
+            from kit.tensorboard import TensorBoardLogger
+
+            self.views.append(TensorBoardLogger.from_config(self.config, self.events,
+                                                            lambda: self.progress.global_train_step))
 
     def _create_model(self, epoch: int, step: int) -> torch.nn.Module:
         get_model = self.config.typed_value("get_model")
@@ -184,13 +233,13 @@ class Engine:
         check_accepts_kwargs(self.config.typed_value("train_step"), "train_step")
         if self.datasets.get("train") is None:
             raise ConfigError("config key 'train' is not set: training needs a dataset")
-        self.updater = Updater(self.config, self.model)
-        self.lr_control = make_lr_control(self.config, self.scores)
+        self.updater = Updater(self.config, self.built_model)
+        self.lr_control = make_lr_control(self.config, self.built_scores)
         make_pipeline = self.dist.pipeline if self.dist else Pipeline.from_config  # a rank's share of each epoch
         self.train_pipeline = make_pipeline(self.datasets["train"], self.config, train=True,
                                             extern_data=self.extern_data)
         if self.dist:  # DDP, or every rank starts from rank 0's weights
-            self.dist.prepare_model(self.model)
+            self.dist.prepare_model(self.built_model)
 
     # ---- one train step ---------------------------------------------------------------
 
@@ -200,8 +249,12 @@ class Engine:
             self._options = (self.config.version, StepOptions.read(self.config))
         return self._options[1]
 
-    def train_step(self) -> StepResult | None:
-        """Train on the next micro-batch of the current epoch; None once the epoch's data is used up."""
+    def train_step(self, *, probe_lr: float | None = None) -> StepResult | None:
+        """Train on the next micro-batch of the current epoch; None once the epoch's data is used up.
+
+        ``probe_lr``: a probe step (the LR finder) with this learning rate instead of the schedule's,
+        without the step's log line and step checkpoint.
+        """
         self.ensure_training_parts()
         p = self.progress
         if not p.epoch_running:
@@ -209,20 +262,20 @@ class Engine:
         if p.steps_exhausted:
             return None
         # fetch: the next batch of the planned epoch (CPU), then to the device
-        batch = next(self.train_pipeline, None)
+        batch = next(self.built_pipeline, None)
         if batch is None:
             p.steps_exhausted = True
             return None
         t0 = time.perf_counter()
         if self.events.has("step_begin"):
             self.events.emit("step_begin", epoch=p.epoch, step=p.step_in_epoch, batch=batch)
-        batch_dev = compute.to_device(batch, self.device)
+        batch_dev = compute.to_device(batch, self.built_device)
         self.last_batch = batch  # a reference only: debug contexts of "step" breaks read it
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
-            self.updater.optimizer.zero_grad(set_to_none=True)
+            self.built_updater.optimizer.zero_grad(set_to_none=True)
         opts = self.step_options
-        lr = self._set_step_learning_rate(batch, opts)
+        lr = self._set_step_learning_rate(batch, opts) if probe_lr is None else self._set_probe_lr(probe_lr)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
@@ -243,29 +296,31 @@ class Engine:
         # account: losses stay on the device
         self.accounting.add(step_losses)
         # memory: the step's peak window closes (CUDA host counters; nothing is read elsewhere)
-        peak = self.memory.end_step()
+        peak = self.built_memory.end_step()
         result = StepResult(p.epoch, p.step_in_epoch, p.global_train_step, lr, updated,
                             time.perf_counter() - t0, batch.num_seqs, batch.complete_frac, step_losses, grad_norm,
                             peak)
         p.step_in_epoch += 1
         p.global_train_step += 1
         self.events.emit("step_end", result=result)
+        if probe_lr is not None:
+            return result
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
             self._log_step(result)
         if opts.save_every and p.global_train_step % opts.save_every == 0:
             self.save_checkpoint(kind="step")
         return result
 
-    def _update(self, step_losses: StepLosses, batch: Any) -> tuple[bool, torch.Tensor | None]:
+    def _update(self, step_losses: StepLosses, batch: Batch | None) -> tuple[bool, torch.Tensor | None]:
         """Unscale → gradient noise → clip → non-finite guard → optimizer step → scaler update."""
-        p, optimizer, scaler = self.progress, self.updater.optimizer, self.grad_scaler
+        p, optimizer, scaler = self.progress, self.built_updater.optimizer, self.grad_scaler
         p.accum_count = 0
         if scaler is not None:
             scaler.unscale_(optimizer)
-        self.updater.apply_gradient_noise()
+        self.built_updater.apply_gradient_noise()
         guard = self.step_options.guard
         # with a float16 scaler, inf gradients are expected: the scaler skips those steps itself
-        grad_norm = self.updater.clip_gradients(need_grad_norm=guard and scaler is None)
+        grad_norm = self.built_updater.clip_gradients(need_grad_norm=guard and scaler is None)
         if guard and not self._all_finite(step_losses, None if scaler else grad_norm):
             if not self._handle_nonfinite(step_losses, grad_norm, batch):
                 return False, grad_norm
@@ -277,7 +332,7 @@ class Engine:
         p.num_updates += 1
         p.consec_skipped_updates = 0
         if self.dist:  # reduce_type "param": average the weights every param_sync_step updates
-            self.dist.after_update(self.model, p.num_updates)
+            self.dist.after_update(self.built_model, p.num_updates)
         return True, grad_norm
 
     @staticmethod
@@ -288,15 +343,15 @@ class Engine:
             flags = flags & torch.isfinite(grad_norm.to(flags.device))
         return bool(flags)
 
-    def _handle_nonfinite(self, step_losses: StepLosses, grad_norm: torch.Tensor | None, batch: Any) -> bool:
+    def _handle_nonfinite(self, step_losses: StepLosses, grad_norm: torch.Tensor | None, batch: Batch | None) -> bool:
         """Drop the update; raise (default) or skip per ``nonfinite_policy``. Returns False."""
         p = self.progress
         bad = [f"loss {name}" for name, v in step_losses.normalized().items() if not _finite(v)]
         if grad_norm is not None and not torch.isfinite(grad_norm).all():
             bad.append(f"gradient norm ({float(grad_norm)})")
-            bad += [f"gradient of {n}" for n, prm in self.model.named_parameters()
+            bad += [f"gradient of {n}" for n, prm in self.built_model.named_parameters()
                     if prm.grad is not None and not torch.isfinite(prm.grad).all()][:20]
-        self.updater.optimizer.zero_grad(set_to_none=True)
+        self.built_updater.optimizer.zero_grad(set_to_none=True)
         error = NonFiniteLossError(
             f"non-finite values at epoch {p.epoch}, step {p.step_in_epoch} (global step {p.global_train_step}): "
             f"{', '.join(bad)}; the update was not applied (parameters and optimizer state are unchanged)",
@@ -317,7 +372,7 @@ class Engine:
         p.accum_count = 0
         raise error
 
-    def _accum_grad_multiple_step(self, batch: Any, opts: StepOptions) -> int:
+    def _accum_grad_multiple_step(self, batch: Batch, opts: StepOptions) -> int:
         value = opts.accum_grad_multiple_step
         if callable(value):
             value = call_user(value, "accum_grad_multiple_step", epoch=self.progress.epoch,
@@ -325,19 +380,24 @@ class Engine:
                               global_train_step=self.progress.global_train_step)
         return max(1, int(value))
 
-    def _epoch_continuous(self, batch: Any) -> float:
+    def _epoch_continuous(self, batch: Batch) -> float:
         frac = batch.complete_frac if batch.complete_frac is not None else 0.0
         return self.progress.epoch - 1 + frac
 
-    def _set_step_learning_rate(self, batch: Any, opts: StepOptions) -> float:
+    def _set_step_learning_rate(self, batch: Batch, opts: StepOptions) -> float:
         lr = self.epoch_learning_rate
         if opts.dynamic_learning_rate is not None:
-            lr = self.lr_control.dynamic_learning_rate(
+            lr = self.built_lr_control.dynamic_learning_rate(
                 global_train_step=self.progress.global_train_step, epoch=self.progress.epoch,
                 epoch_continuous=self._epoch_continuous(batch), learning_rate=self.epoch_learning_rate)
         if lr != self.step_learning_rate:
-            self.updater.set_learning_rate(lr)
+            self.built_updater.set_learning_rate(lr)
             self.step_learning_rate = lr
+        return lr
+
+    def _set_probe_lr(self, lr: float) -> float:
+        self.built_updater.set_learning_rate(lr)
+        self.step_learning_rate = lr  # the next scheduled step sets its own again
         return lr
 
     @staticmethod
@@ -350,19 +410,19 @@ class Engine:
 
     def _begin_epoch(self) -> None:
         p = self.progress
-        self.epoch_learning_rate = float(self.lr_control.learning_rate_for_epoch(p.epoch))
-        self.updater.set_learning_rate(self.epoch_learning_rate)
+        self.epoch_learning_rate = float(self.built_lr_control.learning_rate_for_epoch(p.epoch))
+        self.built_updater.set_learning_rate(self.epoch_learning_rate)
         self.step_learning_rate = self.epoch_learning_rate
         # randomness depends on (random_seed, epoch, global step) only, not on process history
         # (and on the rank: DDP ranks must not all draw the same dropout masks)
         rank = (self.dist.rank,) if self.dist and self.dist.rank else ()  # rank 0 draws as one process
         seed_all(derive_seed(self.config.int("random_seed"), p.epoch, p.global_train_step, *rank))
-        self.train_pipeline.set_epoch(p.epoch)
+        self.built_pipeline.set_epoch(p.epoch)
         self.accounting = EpochAccounting()
         p.epoch_running, p.steps_exhausted, p.step_in_epoch = True, False, 0
         p.skipped_updates_in_epoch, p.epoch_start_global_step = 0, p.global_train_step
         self.epoch_start_time = time.time()
-        self.model.train()
+        self.built_model.train()
         logger.info("start epoch %d, global train step %d, learning rate %g", p.epoch, p.global_train_step,
                     self.epoch_learning_rate)
         self.events.emit("epoch_begin", epoch=p.epoch, learning_rate=self.epoch_learning_rate)
@@ -379,31 +439,29 @@ class Engine:
         if p.accum_count:  # a partial accumulation window: RETURNN drops it, kit applies it
             self._update(stack_losses({}), None)
         if self.dist:  # the loss sums of all ranks; reduce_type "param": the same weights everywhere
-            self.dist.finish_train_epoch(self.model, self.accounting)
+            self.dist.finish_train_epoch(self.built_model, self.accounting)
         epoch = p.epoch
         if self.accounting.num_steps == 0:
             raise DataError(f"epoch {epoch}: the training dataset gave no batches")
-        self.scores.set_scores(epoch, self.accounting.scores("train_loss_"),
+        self.built_scores.set_scores(epoch, self.accounting.scores("train_loss_"),
                                errors=self.accounting.error_keys("train_loss_"))
-        self.scores.set_meta(epoch, **self._epoch_meta())
+        self.built_scores.set_meta(epoch, **self._epoch_meta())
         self.record_eval(epoch, self.eval_model())
         p.epoch, p.epoch_running, p.steps_exhausted, p.step_in_epoch = epoch + 1, False, False, 0
         if p.epoch <= self.final_epoch:  # newbob decides with this epoch's scores; stored when epoch e+1 starts,
             # so the score file holds exactly one row per finished epoch (as RETURNN's after a crash)
-            logger.info("learning rate for epoch %d: %g", p.epoch, self.lr_control.calc_learning_rate_for_epoch(p.epoch))
+            logger.info("learning rate for epoch %d: %g", p.epoch, self.built_lr_control.calc_learning_rate_for_epoch(p.epoch))
         self.save_scores()
         if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
             self.save_checkpoint(kind="epoch", epoch=epoch)
-            if not self.dist or self.dist.is_main:
-                state.cleanup(self)
         row = self.epoch_scores(epoch)
-        logger.info("finished epoch %d: %s", epoch, _format_scores(self.scores.scores(epoch)))
+        logger.info("finished epoch %d: %s", epoch, _format_scores(self.built_scores.scores(epoch)))
         self.events.emit("epoch_end", epoch=epoch, scores=row)
         return row
 
     def epoch_scores(self, epoch: int) -> dict[str, Any]:
         """``{"learning_rate": .., "train_loss_ce": .., "dev_loss_ce": .., ...}`` of one epoch."""
-        return {"learning_rate": self.scores.learning_rate(epoch), **self.scores.scores(epoch)}
+        return {"learning_rate": self.built_scores.learning_rate(epoch), **self.built_scores.scores(epoch)}
 
     def _epoch_meta(self) -> dict[str, Any]:
         import platform
@@ -422,7 +480,7 @@ class Engine:
             "kit_version": kit.__version__,
             "skipped_updates": self.progress.skipped_updates_in_epoch,
         }
-        meta["peak_memory_bytes"] = self.memory.peak_bytes()
+        meta["peak_memory_bytes"] = self.built_memory.peak_bytes()
         return meta
 
     def train_epoch(self, should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
@@ -464,8 +522,8 @@ class Engine:
         if not datasets:
             return {}
         self.events.emit("eval_begin", datasets=list(datasets))
-        rng, was_training = get_rng_state(), self.model.training
-        self.model.eval()
+        rng, was_training = get_rng_state(), self.built_model.training
+        self.built_model.eval()
         try:
             with torch.no_grad():
                 results = {}
@@ -473,21 +531,21 @@ class Engine:
                     results[name], self._eval_errors[name] = evaluate_dataset(self, name, dataset)
         finally:
             set_rng_state(rng)
-            self.model.train(was_training)
+            self.built_model.train(was_training)
         self.events.emit("eval_end", scores=results)
         return results
 
     def record_eval(self, epoch: int, results: dict[str, dict[str, float]]) -> None:
         """Put eval results of ``epoch`` into the score table (error scores marked as such)."""
         for name, scores in results.items():
-            self.scores.set_scores(epoch, scores, errors=self._eval_errors.get(name, set()))
+            self.built_scores.set_scores(epoch, scores, errors=self._eval_errors.get(name, set()))
 
     # ---- files ------------------------------------------------------------------------
 
     def save_scores(self) -> None:
         """Write the score file (rank 0 only: the others have no path)."""
-        if self.scores.path:
-            self.scores.save()
+        if self.built_scores.path:
+            self.built_scores.save()
 
     def save_checkpoint(self, *, kind: str = "step", epoch: int | None = None) -> Any:
         """Write a checkpoint of the whole training state now (epoch or mid-epoch step)."""
@@ -497,6 +555,8 @@ class Engine:
         else:
             ckpt = state.save(self, kind=kind, epoch=epoch)
         self.last_checkpoint = ckpt
+        if not self.dist or self.dist.is_main:  # after every save, so that disk use stays bounded mid-epoch too
+            state.cleanup(self)
         self.events.emit("checkpoint_saved", checkpoint=ckpt)
         return ckpt
 
@@ -509,13 +569,13 @@ class Engine:
         model_file, saved = loaded or checkpoints.load_checkpoint(ckpt)
         if saved is None:
             raise KitError(f"checkpoint {ckpt.path} has no training state to restore; use load() to inspect it")
-        checkpoints.load_into_model(self.model, model_file["model"])
+        checkpoints.load_into_model(self.built_model, model_file["model"])
         self.accounting = EpochAccounting()
         state.load_train_state(self, saved)
         p = self.progress
-        self.scores.remove_epochs_after(p.epoch - 1)
+        self.built_scores.remove_epochs_after(p.epoch - 1)
         if p.epoch_running:
-            self.scores.set_learning_rate(p.epoch, self.epoch_learning_rate)
+            self.built_scores.set_learning_rate(p.epoch, self.epoch_learning_rate)
         self.save_scores()
         self.last_checkpoint = ckpt
 
@@ -528,13 +588,28 @@ class Engine:
     def close(self) -> None:
         """Shut down data workers and drop the model and optimizer."""
         if self.train_pipeline is not None:
-            self.train_pipeline.close()
+            self.built_pipeline.close()
         self.train_pipeline = None
+        for view in self.views:
+            view.close()
+        self.views.clear()
         self.model = self.updater = self.grad_scaler = None
+        if self.prefix_lock is not None:
+            self.prefix_lock.release()
+            self.prefix_lock = None
         if self.dist:  # destroys the process group it created
             self.dist.close()
             self.dist = None
         self.is_set_up = False
+
+
+_Part = TypeVar("_Part")
+
+
+def _built(part: _Part | None, what: str) -> _Part:
+    if part is None:
+        raise KitError(f"the engine's {what} is not set up yet (Engine.setup / ensure_training_parts)")
+    return part
 
 
 def _torch_rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:

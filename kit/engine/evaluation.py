@@ -6,7 +6,7 @@ Results are named ``<dataset>_loss_<loss>``; chunking is not applied (unless
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kit.engine import compute
 from kit.engine.accounting import EpochAccounting, stack_losses
@@ -14,8 +14,12 @@ from kit.engine.user_code import check_accepts_kwargs
 from kit.errors import ConfigError, DataError
 from kit.run_ctx import RunCtx
 
+if TYPE_CHECKING:
+    from kit.data.dataset import Dataset
+    from kit.engine.engine import Engine
 
-def evaluate_dataset(engine: Any, name: str, dataset: Any) -> tuple[dict[str, float], set[str]]:
+
+def evaluate_dataset(engine: Engine, name: str, dataset: Dataset) -> tuple[dict[str, float], set[str]]:
     """``({"<name>_loss_<loss>": value}, error score keys)`` for one eval dataset (call under no_grad)."""
     from kit.data.pipeline import Pipeline
 
@@ -34,7 +38,7 @@ def evaluate_dataset(engine: Any, name: str, dataset: Any) -> tuple[dict[str, fl
     try:
         for batch in pipeline:
             ctx = RunCtx("eval", train_flag=False, epoch=p.epoch, step=acc.num_steps)
-            batch_dev = batch.to(engine.device, non_blocking=True)
+            batch_dev = batch.to(engine.built_device, non_blocking=True)
             compute.run_user_step(engine, train_step, ctx, batch_dev, stage=f"eval of {name!r}")
             acc.add(stack_losses(ctx.losses))
     finally:

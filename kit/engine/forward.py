@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +21,10 @@ from kit.engine.user_code import check_accepts_kwargs
 from kit.errors import ConfigError
 from kit.rng import get_rng_state, set_rng_state
 from kit.run_ctx import RunCtx
+
+if TYPE_CHECKING:
+    from kit.data.dataset import Dataset
+    from kit.engine.engine import Engine
 
 
 class ForwardResult(Mapping[str, dict[str, np.ndarray]]):
@@ -86,29 +90,29 @@ def _cell(arr: np.ndarray) -> Any:
     return f"array{arr.shape} {arr.dtype}"
 
 
-def run_forward(engine: Any, data: Any, callback: Any = None, *, seq_indices: list[int] | None = None) -> Any:
+def run_forward(engine: Engine, data: Dataset | Batch, callback: Any = None, *, seq_indices: list[int] | None = None) -> Any:
     """Forward ``data`` (a dataset or a Batch), longest sequences first, outputs to ``callback``."""
     forward_step = engine.config.typed_value("forward_step")
     if forward_step is None:
         raise ConfigError("config key 'forward_step' is not set: forward needs forward_step(*, model, extern_data, **kwargs)")
     check_accepts_kwargs(forward_step, "forward_step")
     result = callback if callback is not None else ForwardResult()
-    rng, was_training = get_rng_state(), engine.model.training
-    engine.model.eval()
+    rng, was_training = get_rng_state(), engine.built_model.training
+    engine.built_model.eval()
     try:
         with torch.no_grad():
-            result.init(model=engine.model)
+            result.init(model=engine.built_model)
             for batch in _batches(engine, data, seq_indices):
                 _forward_batch(engine, forward_step, batch, result)
             result.finish()
     finally:
         set_rng_state(rng)
-        engine.model.train(was_training)
+        engine.built_model.train(was_training)
     engine.events.emit("forward_end", result=result)
     return result if callback is None else None
 
 
-def _batches(engine: Any, data: Any, seq_indices: list[int] | None) -> Iterator[Batch]:
+def _batches(engine: Engine, data: Dataset | Batch, seq_indices: list[int] | None) -> Iterator[Batch]:
     if isinstance(data, Batch):
         yield data
         return
@@ -124,7 +128,7 @@ def _batches(engine: Any, data: Any, seq_indices: list[int] | None) -> Iterator[
         pipeline.close()
 
 
-def _forward_batch(engine: Any, forward_step: Any, batch: Batch, callback: Any) -> None:
+def _forward_batch(engine: Engine, forward_step: Any, batch: Batch, callback: Any) -> None:
     """Run one batch; on CUDA OOM split it in halves (recursively) when allowed."""
     try:
         outputs = _run(engine, forward_step, batch)
@@ -140,10 +144,10 @@ def _forward_batch(engine: Any, forward_step: Any, batch: Batch, callback: Any) 
     _deliver(batch, outputs, callback)
 
 
-def _run(engine: Any, forward_step: Any, batch: Batch) -> dict[str, Any]:
+def _run(engine: Engine, forward_step: Any, batch: Batch) -> dict[str, Any]:
     ctx = RunCtx("forward", train_flag=False, epoch=engine.progress.epoch, step=batch.batch_idx,
                  expected_outputs=engine.config.typed_value("model_outputs"))
-    batch_dev = batch.to(engine.device, non_blocking=True)
+    batch_dev = batch.to(engine.built_device, non_blocking=True)
     try:
         compute.forward(engine, forward_step, ctx, batch_dev)
         ctx.check_outputs()

@@ -151,9 +151,10 @@ class LearningRateControl:
         if len(last) < 2:
             return lr
         changes = [self.relative_error(a, b) for a, b in zip(last[:-1], last[1:])]
-        if any(c is None for c in changes):
+        known = [c for c in changes if c is not None]
+        if len(known) < len(changes):
             return lr
-        mean = sum(changes) / len(changes)
+        mean = sum(known) / len(known)
         return self._decay_or_grow(
             lr, decay=mean > self.relative_error_threshold, grow=mean < self.relative_error_grow_threshold
         )
@@ -307,7 +308,10 @@ def _predefined_learning_rates(value: Any) -> dict[int, float]:
 def _decay_setting(config: Config) -> float:
     if config.has("learning_rate_decay") or not config.has("newbob_learning_rate_decay"):
         return config.float("learning_rate_decay")
-    return config.float("newbob_learning_rate_decay")
+    decay = config.float("newbob_learning_rate_decay")
+    if decay is None:
+        raise ConfigError("config key 'newbob_learning_rate_decay': got None, expected a number")
+    return decay
 
 
 def _check_dynamic_lr(fn: Callable[..., Any]) -> None:

@@ -30,7 +30,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,9 @@ from kit.checkpoints.naming import parse_model_path
 from kit.config import Config
 from kit.engine.parts import eval_datasets
 from kit.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from kit.engine.engine import Engine
 
 logger = logging.getLogger("kit")
 
@@ -65,7 +68,7 @@ def can_train(config: Config) -> bool:
     return config.typed_value("train") is not None and config.typed_value("train_step") is not None
 
 
-def is_training(engine: Any) -> bool:
+def is_training(engine: Engine) -> bool:
     """RETURNN's ``task == "train"``: the engine trains (not only eval / forward)."""
     return getattr(engine, "task", "train") == "train" and can_train(engine.config)
 
@@ -235,7 +238,7 @@ def _align_scores(scores: Any, start: Start) -> None:
                 del state["epochs"][epoch]
     progress = (start.train_state or {}).get("progress", {})
     if progress.get("epoch_running"):  # the lr the interrupted epoch was trained with
-        lr = float(start.train_state["learning_rate"]["epoch"])
+        lr = float((start.train_state or {})["learning_rate"]["epoch"])
         row = state["epochs"].setdefault(start.epoch, {"learning_rate": None, "scores": {}, "meta": {}})
         changed = changed or row["learning_rate"] != lr
         row["learning_rate"] = lr
@@ -281,13 +284,13 @@ def _eval_keys(config: Config) -> list[str]:
 # ---- weights ----------------------------------------------------------------------------
 
 
-def init_weights(engine: Any, start: Start) -> None:
+def init_weights(engine: Engine, start: Start) -> None:
     """Copy the start weights into the fresh model, then preload and run the post-load hooks.
 
     As in RETURNN, the weights may miss keys that a ``preload_from_files`` entry fills;
     whatever is still missing afterwards is an error listing the keys.
     """
-    config, model = engine.config, engine.model
+    config, model = engine.config, engine.built_model
     state, what = start.model_state, start.source
     if start.import_path is not None:
         model_file = checkpoints.load(start.import_path)
@@ -315,3 +318,37 @@ def init_weights(engine: Any, start: Start) -> None:
     hooks = config.typed_value("load_model_post_hooks")
     if hooks:
         checkpoints.apply_load_model_post_hooks(model, hooks)
+
+
+def lock_prefix(prefix: str) -> Any:
+    """The run's lock on its model prefix (also the check that checkpoints can be written there)."""
+    from kit.checkpoints.lock import PrefixLock
+
+    return PrefixLock.acquire(prefix)
+
+
+# keys that a resumed run may change without it being another run
+_RESUME_FREE_KEYS = {"num_epochs", "log_every_n_steps", "log_verbosity", "device", "debug_hook",
+                     "torch_log_memory_usage", "cleanup_old_models", "save_every_n_steps"}
+
+
+def warn_config_changes(config: Config, start: Start) -> None:
+    """On a resume, a warning naming the config keys that differ from the checkpoint's run."""
+    if start.checkpoint is None:
+        return
+    try:
+        manifest = start.checkpoint.manifest()
+    except CheckpointError:
+        return
+    stored = manifest.get("config_keys") or {}
+    if not stored:  # written by an older kit: only the overall digest, no key names
+        if manifest.get("config_digest") not in ("", None, config.digest()):
+            logger.warning("resuming from %s, written with another config (digest %s, now %s)",
+                           start.checkpoint.name, manifest["config_digest"], config.digest())
+        return
+    now = config.key_digests()
+    changed = sorted(k for k in set(stored) | set(now) if stored.get(k) != now.get(k) and k not in _RESUME_FREE_KEYS)
+    if changed:
+        logger.warning("resuming from %s, but the config changed since it was written: %s (continuing with the "
+                       "new values; use another 'model' path to start a separate run)",
+                       start.checkpoint.name, ", ".join(changed))

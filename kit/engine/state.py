@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit import checkpoints
+from kit.errors import ConfigError
 from kit.rng import get_rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -24,9 +25,9 @@ def train_state(engine: Engine) -> dict[str, Any]:
     p = engine.progress
     state: dict[str, Any] = {
         "progress": p.state_dict(),
-        "optimizer": engine.updater.state_dict() if engine.updater else None,
+        "optimizer": engine.built_updater.state_dict() if engine.updater else None,
         "grad_scaler": engine.grad_scaler.state_dict() if engine.grad_scaler else None,
-        "pipeline": engine.train_pipeline.state_dict() if engine.train_pipeline and p.epoch_running else None,
+        "pipeline": engine.built_pipeline.state_dict() if engine.train_pipeline and p.epoch_running else None,
         "accounting": engine.accounting.state_dict() if p.epoch_running else None,
         "rng": get_rng_state(),
         "learning_rate": {"epoch": engine.epoch_learning_rate, "step": engine.step_learning_rate},
@@ -36,10 +37,10 @@ def train_state(engine: Engine) -> dict[str, Any]:
         "scores": engine.scores.to_json() if engine.scores is not None else None,
     }
     if p.accum_count and engine.model is not None:  # an open accumulation window
-        state["grads"] = {n: prm.grad.detach().cpu() for n, prm in engine.model.named_parameters()
+        state["grads"] = {n: prm.grad.detach().cpu() for n, prm in engine.built_model.named_parameters()
                           if prm.grad is not None}
     if engine.lr_control is not None and hasattr(engine.lr_control, "state_dict"):
-        state["lr_control"] = engine.lr_control.state_dict()
+        state["lr_control"] = engine.built_lr_control.state_dict()
     return state
 
 
@@ -48,24 +49,24 @@ def load_train_state(engine: Engine, state: dict[str, Any]) -> None:
     p = engine.progress
     p.load_state_dict(state["progress"])
     if state.get("optimizer") is not None:
-        engine.updater.load_state_dict(state["optimizer"])
+        engine.built_updater.load_state_dict(state["optimizer"])
     if state.get("grad_scaler") is not None and engine.grad_scaler is not None:
         engine.grad_scaler.load_state_dict(state["grad_scaler"])
         # GradScaler creates its scale tensor on the first scale() call; an open accumulation
         # window may be unscaled (finished at the epoch end) before any step scales in this process
         engine.grad_scaler.scale(torch.zeros((), device=engine.device))
     if state.get("lr_control") is not None and hasattr(engine.lr_control, "load_state_dict"):
-        engine.lr_control.load_state_dict(state["lr_control"])
+        engine.built_lr_control.load_state_dict(state["lr_control"])
     lr = state.get("learning_rate") or {}
     engine.epoch_learning_rate, engine.step_learning_rate = float(lr.get("epoch", 0.0)), float(lr.get("step", 0.0))
     if p.epoch_running:
-        engine.updater.set_learning_rate(engine.step_learning_rate)
-        engine.train_pipeline.load_state_dict(state["pipeline"])
-        if getattr(engine, "dist", None) is None or engine.dist.is_main:  # rank 0 saved the sums of all ranks
-            engine.accounting.load_state_dict(state["accounting"], engine.device)
-        engine.model.train()
+        engine.built_updater.set_learning_rate(engine.step_learning_rate)
+        engine.built_pipeline.load_state_dict(state["pipeline"])
+        if engine.dist is None or engine.dist.is_main:  # rank 0 saved the sums of all ranks
+            engine.accounting.load_state_dict(state["accounting"], engine.built_device)
+        engine.built_model.train()
     if state.get("grads"):
-        params = dict(engine.model.named_parameters())
+        params = dict(engine.built_model.named_parameters())
         for name, grad in state["grads"].items():
             params[name].grad = grad.to(params[name].device)
     set_rng_state(state["rng"])
@@ -73,15 +74,18 @@ def load_train_state(engine: Engine, state: dict[str, Any]) -> None:
 
 def save(engine: Engine, *, kind: str, epoch: int | None) -> Checkpoint:
     p = engine.progress
+    if engine.prefix_lock is not None:
+        engine.prefix_lock.check()
     return checkpoints.save(
-        engine.model_prefix,
+        _prefix(engine),
         epoch=epoch if epoch is not None else p.epoch,
-        model_state=engine.model.state_dict(),
+        model_state=engine.built_model.state_dict(),
         train_state=train_state(engine),
         global_train_step=p.global_train_step,
         effective_learning_rate=engine.step_learning_rate,
         kind=kind,
         config_digest=engine.config.digest(),
+        config_keys=engine.config.key_digests(),
     )
 
 
@@ -97,3 +101,9 @@ def cleanup(engine: Engine, *, dry_run: bool = False) -> list[Checkpoint]:
     scores = {e: {k: v for k, v in table.scores(e).items() if not k.startswith("train_")} for e in table.epochs}
     protect = [engine.last_checkpoint] if engine.last_checkpoint is not None else []
     return checkpoints.cleanup(engine.model_prefix, options, scores=scores, protect=protect)  # logs each removal
+
+
+def _prefix(engine: Engine) -> str:
+    if not engine.model_prefix:
+        raise ConfigError("config key 'model' is not set: saving needs a checkpoint path prefix")
+    return engine.model_prefix

@@ -6,11 +6,14 @@ import inspect
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kit.data.batch import Batch
 
 
 def check_accepts_kwargs(fn: Callable, key: str) -> None:
@@ -69,7 +72,7 @@ def module_call_stack(tb: types.TracebackType | None, model: torch.nn.Module | N
 
 
 def annotate_exception(exc: BaseException, *, stage: str, model: torch.nn.Module | None,
-                       batch: Any = None) -> BaseException:
+                       batch: Batch | None = None) -> BaseException:
     """Append the module call stack and a batch summary to ``exc``, keeping its type."""
     if hasattr(exc, "kit_details"):  # annotated already (eval inside a train step, say)
         return exc

@@ -174,7 +174,7 @@ class CheckpointBrowser:
                 outs.append(result)
         finally:
             checkpoints.load_into_model(model, live)
-        diffs = {}
+        diffs: dict[str, float] = {}
         for tag in outs[0]:
             for name, arr in outs[0][tag].items():
                 d = float(abs(arr - outs[1][tag][name]).max()) if arr.size else 0.0

@@ -158,7 +158,7 @@ class Session:
     @property
     def device(self) -> torch.device:
         self.setup()
-        return self.engine.device
+        return self.engine.built_device
 
     @property
     def learning_rate(self) -> float:
@@ -372,6 +372,25 @@ class Session:
                 raise SessionStateError("no weights kept in memory and no complete checkpoint to reload")
             self.restore(loaded[0], loaded[1:])
         self.lifecycle.consistent()
+
+    # ---- tools --------------------------------------------------------------------------
+
+    def lr_find(self, start_lr: float = 1e-7, end_lr: float = 10.0, num_steps: int = 100, **options: Any) -> Any:
+        """An exponential LR sweep on the next training batches → DataFrame (lr, loss, smoothed_loss)
+        with ``.suggestion`` and ``.plot()``; afterwards the session is bitwise as it was.
+
+        Works at any step boundary (mid-epoch too); refuses while training runs in the background.
+        ``options``: ``smoothing``, ``diverge_factor``, ``loss`` (see :func:`kit.lr_finder.lr_find`).
+        """
+        if self.is_training:
+            raise SessionStateError("lr_find: the session is training (in the background); "
+                                    "call session.pause() and session.wait() first")
+        self.lifecycle.check_can_train()
+        from kit.lr_finder import lr_find
+
+        self.ensure_training_parts()
+        with self.entered():
+            return lr_find(self.engine, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps, **options)
 
     # ---- eval and forward ---------------------------------------------------------------
 

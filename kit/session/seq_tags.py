@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kit.errors import KitError
+
+if TYPE_CHECKING:
+    from kit.data.dataset import Dataset
 
 
 class UnknownSeqTagError(KitError, KeyError):
@@ -52,7 +55,7 @@ def _tag_examples(datasets: Mapping[str, Any]) -> str:
     return "?"
 
 
-def _has_tag(dataset: Any, tag: str) -> bool:
+def _has_tag(dataset: Dataset, tag: str) -> bool:
     try:
         dataset.get_seq_index(tag)
         return True

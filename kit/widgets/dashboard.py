@@ -40,10 +40,13 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kit.session.lifecycle import Status
 from kit.widgets.timeline import Timeline
+
+if TYPE_CHECKING:
+    from kit.session.facade import Session
 
 logger = logging.getLogger("kit")
 
@@ -102,7 +105,7 @@ class Dashboard:
 
     def __init__(
         self,
-        session: Any,
+        session: Session,
         *,
         mode: str | None = None,
         max_redraws_per_sec: float = 2.0,
@@ -135,7 +138,8 @@ class Dashboard:
         self._loop = _running_loop()
         self._next_refresh = 0.0
         self._next_plot = 0.0
-        self._plot_tokens, self._tokens_at = plot_burst, None  # token bucket: seconds of drawing
+        # token bucket: seconds of drawing
+        self._plot_tokens, self._tokens_at = plot_burst, cast("float | None", None)
         self._running = False
         self._run_id = 0
         self._probe: tuple[int, float] | None = None
@@ -476,7 +480,7 @@ class Dashboard:
         with self._lock:
             if self._frame is None:
                 self.refresh(plot=True)
-            frame = self._frame
+            frame = self._frame or b""
         bundle = self.widget._repr_mimebundle_()
         bundle.update({"text/plain": text, "image/png": base64.b64encode(frame).decode("ascii")})
         return bundle

@@ -76,7 +76,7 @@ class DashboardFigure:
             )
         stale = any([self._update_legend(panel) for panel in PANELS]) or stale
         stale = any([self._update_limits(panel, force=stale) for panel in PANELS]) or stale
-        canvas = self.figure.canvas
+        canvas: Any = self.figure.canvas  # Agg's: blitting (copy_from_bbox, restore_region)
         if stale:
             canvas.draw()  # lines are "animated": left out of the background
             self._background = canvas.copy_from_bbox(self.figure.bbox)

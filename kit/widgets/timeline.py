@@ -37,7 +37,7 @@ class Timeline:
         self.smoothed: dict[str, list[float]] = {}  # bias-corrected exponential moving average
         self.learning_rates: list[float] = []
         self.memory_steps: list[int] = []
-        self.memory: dict[str, list[int]] = {}  # "memory_allocated"/... or "memory_rss" -> bytes
+        self.memory: dict[str, list[float]] = {}  # NaN where a reading lacks the key  # "memory_allocated"/... or "memory_rss" -> bytes
         self.scores: dict[int, dict[str, float]] = {}  # epoch -> score row
         self.num_steps = len(self.history)  # steps seen (not thinned), those before this view included
         self.last: dict[str, Any] = {}  # epoch, step, global_train_step, complete_frac, learning_rate
