@@ -412,3 +412,15 @@ def test_overrides_reach_the_config_files_own_globals_and_its_functions(tmp_path
     assert config.int("num_epochs") == 3
     with pytest.raises(kit.ConfigError, match="did you mean 'hidden'"):
         kit.Config.from_file(path, hiden=64)
+
+
+def test_getters_are_typed_optional_exactly_for_the_keys_without_a_default():
+    """Config.int / Config.float read as ``X | None`` only for keys whose registry default is None."""
+    import typing
+
+    from kit.config.config import FloatKeyWithoutDefault, IntKeyWithoutDefault
+
+    for literal, kind in ((IntKeyWithoutDefault, "int"), (FloatKeyWithoutDefault, "float")):
+        without = {k.name for k in KEYS.values() if k.type == kind and k.default is None}
+        assert set(typing.get_args(literal)) == without, f"update the {kind} list in kit/config/config.py"
+    assert kit.Config().int("max_seqs") is None and kit.Config().int("batch_size") == 5000

@@ -9,14 +9,62 @@ number, a tuple default a sequence of that length, a bool default a bool).
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from kit.config import Config
 from kit.errors import ConfigError
+
+
+def resolve_dotted(name: str, what: str) -> Any:
+    """Import ``"pkg.mod.Attr"`` (no eval)."""
+    module_name, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{what}: cannot import {name!r} ({exc})") from None
+
+
+def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
+    """Lower-case name -> class for every optimizer in ``torch.optim``."""
+    return {
+        name.lower(): cls
+        for name, cls in vars(torch.optim).items()
+        if isinstance(cls, type)
+        and issubclass(cls, torch.optim.Optimizer)
+        and cls is not torch.optim.Optimizer
+    }
+
+
+def resolve_optimizer_class(spec: Any) -> type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer]:
+    """An optimizer class (by torch.optim name, case-insensitive, dotted path or type) or a factory."""
+    if isinstance(spec, str):
+        if "." in spec:
+            spec = resolve_dotted(spec, "config key 'optimizer'")
+        else:
+            classes = optimizer_classes()
+            if spec.lower() not in classes:
+                raise ConfigError(
+                    f"config key 'optimizer': unknown optimizer class {spec!r}; torch.optim has "
+                    f"{', '.join(sorted(classes))} (or give a dotted path 'pkg.mod.Class', a class, or a factory)"
+                )
+            return classes[spec.lower()]
+    if isinstance(spec, type):
+        if not issubclass(spec, torch.optim.Optimizer):
+            raise ConfigError(
+                f"config key 'optimizer': {spec.__qualname__} is not a torch.optim.Optimizer subclass"
+            )
+        return spec
+    if callable(spec):
+        return spec
+    raise ConfigError(
+        f"config key 'optimizer': 'class' must be a name, a dotted path, a class or a factory, got {spec!r}"
+    )
+
 
 # options kit itself consumes from the optimizer dict (never passed to torch)
 KIT_OPTIONS = ("class", "learning_rate_multiplier", "weight_decay_modules_blacklist",
@@ -32,8 +80,6 @@ def check_optimizer(config: Config) -> None:
 
 def optimizer_problems(spec: Any) -> list[str]:
     """What is wrong with an ``optimizer`` value: its class, its keywords, their types."""
-    from kit.engine.updater import resolve_optimizer_class
-
     if spec is None or not isinstance(spec, Mapping):
         return []  # unset, a class or a factory: the updater says what it needs
     problems = [f"config key 'optimizer': no {k!r} inside 'optimizer'; set the config key 'learning_rate' instead"

@@ -17,7 +17,6 @@ into a second group with ``weight_decay=0``. Unlike RETURNN, an unset ``eps`` ke
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable, Iterable
@@ -26,6 +25,12 @@ from typing import Any
 import torch
 
 from kit.config import Config
+from kit.engine.optimizer_check import (  # noqa: F401 - resolve_* and optimizer_classes: public here too
+    check_optimizer,
+    optimizer_classes,
+    resolve_dotted,
+    resolve_optimizer_class,
+)
 from kit.errors import ConfigError, KitError
 
 # options of the optimizer dict that kit consumes (RETURNN's places for them); not passed to torch
@@ -48,52 +53,6 @@ def default_weight_decay_blacklist() -> tuple[type, ...]:
     if hasattr(torch.nn, "RMSNorm"):
         types.append(torch.nn.RMSNorm)
     return tuple(types)
-
-
-def resolve_dotted(name: str, what: str) -> Any:
-    """Import ``"pkg.mod.Attr"`` (no eval)."""
-    module_name, _, attr = name.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(f"{what}: cannot import {name!r} ({exc})") from None
-
-
-def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
-    """Lower-case name -> class for every optimizer in ``torch.optim``."""
-    return {
-        name.lower(): cls
-        for name, cls in vars(torch.optim).items()
-        if isinstance(cls, type)
-        and issubclass(cls, torch.optim.Optimizer)
-        and cls is not torch.optim.Optimizer
-    }
-
-
-def resolve_optimizer_class(spec: Any) -> type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimizer]:
-    """An optimizer class (by torch.optim name, case-insensitive, dotted path or type) or a factory."""
-    if isinstance(spec, str):
-        if "." in spec:
-            spec = resolve_dotted(spec, "config key 'optimizer'")
-        else:
-            classes = optimizer_classes()
-            if spec.lower() not in classes:
-                raise ConfigError(
-                    f"config key 'optimizer': unknown optimizer class {spec!r}; torch.optim has "
-                    f"{', '.join(sorted(classes))} (or give a dotted path 'pkg.mod.Class', a class, or a factory)"
-                )
-            return classes[spec.lower()]
-    if isinstance(spec, type):
-        if not issubclass(spec, torch.optim.Optimizer):
-            raise ConfigError(
-                f"config key 'optimizer': {spec.__qualname__} is not a torch.optim.Optimizer subclass"
-            )
-        return spec
-    if callable(spec):
-        return spec
-    raise ConfigError(
-        f"config key 'optimizer': 'class' must be a name, a dotted path, a class or a factory, got {spec!r}"
-    )
 
 
 def _accepted_kwargs(cls: type) -> set[str] | None:
@@ -156,8 +115,6 @@ class Updater:
         return opts
 
     def _create_optimizer(self) -> torch.optim.Optimizer:
-        from kit.engine.optimizer_check import check_optimizer
-
         check_optimizer(self.config)  # keywords and their types, as one ConfigError
         opts = self._optimizer_opts()
         cls = resolve_optimizer_class(opts.pop("class"))
