@@ -52,6 +52,7 @@ logger = logging.getLogger("kit")
 
 EVENTS = ("run_begin", "step_end", "epoch_end", "interrupt", "exception", "checkpoint_saved", "run_end")
 MODES = ("widget", "terminal", "text")
+ISOLATED_GAP_SECS = 0.5  # a run starting later than this after the last one ended stands alone
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 
 _REACH_NOTES = {
@@ -142,6 +143,8 @@ class Dashboard:
         self._plot_tokens, self._tokens_at = plot_burst, cast("float | None", None)
         self._running = False
         self._run_id = 0
+        self._run_ended_at: float | None = None
+        self._isolated_run = True  # not right after another run: its end always gets the last frame
         self._probe: tuple[int, float] | None = None
         self._last_step_at = 0.0
         self._memory_step = -1
@@ -288,8 +291,12 @@ class Dashboard:
         """A train_* call starts (``run_begin``)."""
         self._running, self._run_id = True, self._run_id + 1
         self._paused = self._train_error = None
-        # a run starts when a cell does: its first frames come soon, whatever earlier runs drew
-        self._plot_tokens = max(self._plot_tokens, self.plot_burst / 2)
+        # a run starts when a cell does: its first frames come soon, whatever earlier runs drew;
+        # train calls back to back (a loop in one cell) share the budget instead
+        ended = self._run_ended_at
+        self._isolated_run = ended is None or self.clock() - ended > ISOLATED_GAP_SECS
+        if self._isolated_run:
+            self._plot_tokens = max(self._plot_tokens, self.plot_burst / 2)
         self._probe, self.reach = None, None
         self.timeline.new_run()
         if self.mode == "widget":
@@ -321,10 +328,15 @@ class Dashboard:
             self._probe, self.reach = None, "responsive"
 
     def _finish_run(self) -> None:
-        """The run ended (paused, finished, failed): last frame, static image in the output."""
+        """The run ended (paused, finished, failed): last frame, static image in the output.
+
+        The picture is drawn for a run that stands alone (a cell's call); after calls back to
+        back only within the plot budget, so a loop of short train calls costs what one long one does.
+        """
         with self._lock:
             self._running = False
-            self.refresh(plot=True)
+            self.refresh(plot=self._isolated_run or self._frame is None)
+            self._run_ended_at = self.clock()
             if self.mode == "widget":
                 self.pause_button.disabled, self.pause_button.description = False, "Pause"
                 # the last frame is drawn (what a browser test can wait for)
