@@ -62,6 +62,7 @@ class NonFiniteGuard:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self._found: torch.Tensor | None = None  # 0-d float flag, sticky until a report
+        self._params: list[torch.nn.Parameter] | None = None
         self._one: torch.Tensor | None = None
         self._mode: str | None = None
         self._records: list[_StepRecord] = []
@@ -94,7 +95,8 @@ class NonFiniteGuard:
         if wanted == "auto":
             devices = {p.device for p in self.engine.model.parameters()}
             on_cpu = self.engine.device.type == "cpu"
-            return "immediate" if skip or on_cpu or len(devices) > 1 else "deferred"
+            # under torchrun each rank has its own flag: ranks must not disagree on skipping an update
+            return "immediate" if skip or on_cpu or len(devices) > 1 or self.engine.dist else "deferred"
         return str(wanted)
 
     def config_changed(self) -> None:
@@ -104,15 +106,16 @@ class NonFiniteGuard:
 
     def reset(self) -> None:
         """Forget the flag, the records and the backups (after a restore or a config change)."""
-        self._found = self._one = self._mode = self._buffers = None
+        self._found = self._one = self._mode = self._buffers = self._params = None
         self._records.clear()
         self._buffer_backup, self._opt_backup, self._new_state = [], [], []
 
     def _flag(self) -> torch.Tensor:
         if self._found is None:
             device = self.engine.device
-            self._found = torch.zeros((), device=device)
-            self._one = torch.ones((), device=device)
+            # float32 whatever the default dtype: the fused check wants float32 flag and scale
+            self._found = torch.zeros((), dtype=torch.float32, device=device)
+            self._one = torch.ones((), dtype=torch.float32, device=device)
         return self._found
 
     # ---- the step's hooks ---------------------------------------------------------------
@@ -144,14 +147,28 @@ class NonFiniteGuard:
         return True
 
     def _check(self, found: torch.Tensor, step_losses: StepLosses) -> None:
+        # integer losses or norms (a frame count) are finite by nature, and the check takes floats only
         tensors = [t for t in (*step_losses.sums, *step_losses.norms) if t.is_floating_point()]
         # with a float16 GradScaler, inf gradients are expected: the scaler skips those steps itself
         if self.engine.grad_scaler is None:
-            tensors += [p.grad for p in self.engine.updater.parameters() if p.grad is not None]
-        tensors = [t if t.device == found.device else t.to(found.device) for t in tensors]
-        if tensors and self._one is not None:
-            # scale 1: multiplying by 1.0 changes no value; the op only sets ``found`` on a NaN/Inf
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, self._one)
+            tensors += [p.grad for p in self._parameters() if p.grad is not None]
+        if not tensors or self._one is None:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}  # the fused op takes one dtype at a time
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            try:
+                # scale 1: multiplying by 1.0 changes no value; the op only sets ``found`` on a NaN/Inf
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, self._one)
+            except RuntimeError:  # tensors on several devices: each one checked on the flag's device
+                for t in group:
+                    torch._amp_foreach_non_finite_check_and_unscale_([t.to(found.device)], found, self._one)
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        if self._params is None:
+            self._params = self.engine.updater.parameters()
+        return self._params
 
     def end_step(self) -> None:
         """After the step (deferred mode): the RNG state the next step starts from."""
