@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -25,8 +26,11 @@ class Field:
         """Bool ``[B, T]`` on the tensor's device: True for real frames, False for padding."""
         if self.lengths is None:
             raise ValueError("this field has no time axis, so it has no mask")
-        time = torch.arange(self.tensor.shape[1], device=self.tensor.device)
-        return time[None, :] < self.lengths.to(self.tensor.device, non_blocking=True)[:, None]
+        t = self.tensor
+        if t.is_cpu and self.lengths.is_cpu:  # two numpy ops: a fraction of the host time of five torch ops
+            return torch.from_numpy(np.arange(t.shape[1]) < self.lengths.numpy()[:, None])
+        time = torch.arange(t.shape[1], device=t.device)
+        return time[None, :] < self.lengths.to(t.device, non_blocking=True)[:, None]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Field:
         return Field(self.tensor.to(device, non_blocking=non_blocking), self.lengths, self.sparse_dim)

@@ -25,7 +25,7 @@ from kit.data import packed as packing
 from kit.data.batch import Batch, Field
 from kit.data.batching import Entry, has_spans
 from kit.data.dataset import TorchDataset, as_numpy
-from kit.data.extern_data import DataSpec, ExternData, check_array, kind_ok
+from kit.data.extern_data import DataSpec, ExternData, check_array, kind_ok, layout_ok
 from kit.errors import DataError
 
 
@@ -53,18 +53,23 @@ class BatchLoader:
     arrays.
     """
 
-    def __init__(self, dataset: Any, extern_data: ExternData | None):
+    def __init__(self, dataset: Any, extern_data: ExternData | None, *, chunked: bool | None = None):
         self.dataset = dataset
         self.extern_data = extern_data
+        self.chunked = chunked  # False: no entry has spans (the pipeline knows); None: look at each batch
         self._packed: dict[str, packing.PackedKey] | None | bool = False  # False: not asked yet
+        self._keys: list[str] | None = None  # the packed batches' keys
         self._checked: dict[str, bool] = {}  # packed key -> whether batches need a label range check
 
-    def load(self, entries: Sequence[Entry]) -> Batch:
-        idxs = list(map(itemgetter(0), entries))
+    def load(self, entries: Sequence[Entry], idx: np.ndarray | None = None) -> Batch:
+        """The batch of these plan entries; ``idx``: their sequence indices as int64, when at hand."""
+        idxs = idx.tolist() if idx is not None else list(map(itemgetter(0), entries))
         tag_of = self.dataset.get_seq_tag
         packed = self._packed_keys()
         if packed is not None:
-            fields = self._collate_packed(packed, entries, idxs, tag_of)
+            if idx is None:
+                idx = np.array(idxs, dtype=np.int64)
+            fields = self._collate_packed(packed, entries, idx, tag_of)
         else:
             fields = collate(self._load_seqs(entries, idxs), SeqTags(idxs, tag_of), self.extern_data)
         return Batch(fields, seq_idx=idxs, tag_of=tag_of)
@@ -77,7 +82,7 @@ class BatchLoader:
         # a torch dataset's tensors stay tensors until collate joins them: one conversion per key, not per item
         raw = isinstance(ds, TorchDataset) and type(ds).get_seq is TorchDataset.get_seq
         get_seq = ds.get_item if raw else ds.get_seq
-        if not has_spans(entries):
+        if self.chunked is False or not has_spans(entries):
             return list(map(get_seq, idxs))
         seqs = []
         for seq_idx, spans in entries:
@@ -108,15 +113,14 @@ class BatchLoader:
         self,
         packed: dict[str, packing.PackedKey],
         entries: Sequence[Entry],
-        idxs: list[int],
+        idx: np.ndarray,
         tag_of: Callable[[int], str],
     ) -> dict[str, Field]:
-        idx = np.array(idxs, dtype=np.int64)
-        spans = _spans_by_key(entries) if has_spans(entries) else {}
+        spans = _spans_by_key(entries) if self.chunked is not False and has_spans(entries) else {}
         layouts: dict[int, tuple[Any, Any]] = {}  # id(lengths) -> the batch's (starts, lengths) of unchunked keys
         plans = [
             self._packed_plan(key, packed, idx, spans.get(key), tag_of, {} if key in spans else layouts)
-            for key in self._keys(packed, idx, tag_of)
+            for key in self._keys or self._packed_batch_keys(packed, idx, tag_of)
         ]
         shapes = [(p.shape, p.dtype) for p in plans]
         shapes += [((len(idx),), np.dtype(np.int32)) for p in plans if p.lengths is not None]
@@ -136,15 +140,17 @@ class BatchLoader:
             fields[p.key] = Field(tensor, lengths, p.spec.sparse_dim if p.spec is not None else None)
         return fields
 
-    def _keys(self, packed: dict[str, packing.PackedKey], idx: np.ndarray, tag_of: Callable[[int], str]) -> list[str]:
-        """The batch's keys: the declared ones, then the dataset's other keys."""
+    def _packed_batch_keys(
+        self, packed: dict[str, packing.PackedKey], idx: np.ndarray, tag_of: Callable[[int], str]
+    ) -> list[str]:
+        """The batches' keys: the declared ones, then the dataset's other keys (found once)."""
         ed = self.extern_data
-        if ed is None:
-            return list(packed)
-        missing = next((k for k in ed if k not in packed), None)
-        if missing is not None:  # declared, but no sequence has it
-            raise ed.missing_key(missing, packed, tag_of(int(idx[0])))
-        return list(ed) + [k for k in packed if k not in ed]
+        if ed is not None:
+            missing = next((k for k in ed if k not in packed), None)
+            if missing is not None:  # declared, but no sequence has it
+                raise ed.missing_key(missing, packed, tag_of(int(idx[0])))
+        self._keys = list(packed) if ed is None else list(ed) + [k for k in packed if k not in ed]
+        return self._keys
 
     def _packed_plan(
         self,
@@ -204,7 +210,8 @@ def _check_packed(spec: DataSpec, pk: packing.PackedKey, first: int, tag_of: Cal
     """Layout and dtype of a packed key, once: one array holds every sequence, so one sequence
     stands for all. Returns whether batches still need a label range check (some label of
     the whole array is out of range: the batch holding it raises, naming its sequence)."""
-    check_array(spec, pk.seq(first), tag_of(first), check_sparse=False)
+    if not layout_ok(spec, pk.seq(first)):
+        check_array(spec, pk.seq(first), tag_of(first), check_sparse=False)  # raises, naming it
     data = pk.data
     if spec.sparse_dim is None or not data.size:
         return False

@@ -165,13 +165,7 @@ class ExternData(Mapping[str, DataSpec]):
 
 def check_array(spec: DataSpec, a: np.ndarray, tag: str, *, check_sparse: bool = True) -> np.ndarray:
     """One array against its spec (see :meth:`ExternData.check_seq`)."""
-    static = spec.shape[1:] if spec.has_time else spec.shape
-    fast = (
-        a.dtype == spec.dtype
-        and a.ndim == len(spec.shape)
-        and (a.shape[1:] if spec.has_time else a.shape) == static
-    )
-    if not fast:
+    if not layout_ok(spec, a):
         _check_layout(spec, a, tag)
     if check_sparse and spec.sparse_dim is not None and a.size:
         lo, hi = int(a.min()), int(a.max())
@@ -199,6 +193,15 @@ def _check_layout(spec: DataSpec, a: np.ndarray, tag: str) -> None:
     if not kind_ok(spec, a.dtype):
         kind = "float" if spec.dtype.kind == "f" else "int"
         raise _fail(spec, a, tag, "wrong dtype kind", f"{spec.dtype} ({kind})", a.dtype)
+
+
+def layout_ok(spec: DataSpec, a: np.ndarray) -> bool:
+    """Whether ``a`` has the declared rank and static sizes and an accepted dtype (no message built)."""
+    if a.ndim != len(spec.shape) or (a.shape[1:] if spec.has_time else a.shape) != (
+        spec.shape[1:] if spec.has_time else spec.shape
+    ):
+        return False
+    return a.dtype == spec.dtype or kind_ok(spec, a.dtype)
 
 
 def kind_ok(spec: DataSpec, dtype: np.dtype) -> bool:
