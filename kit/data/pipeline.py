@@ -104,6 +104,7 @@ class Pipeline:
         opts.pop("num_workers", None)
         self._loader = BatchLoader(self.dataset, self.extern_data)
         self._pool: WorkerPool | None = None
+        self._pool_opts = opts
         if self.num_workers > 0:
             check_picklable(self._loader, self.num_workers, _describe(self.dataset))
             self._pool = WorkerPool(self._loader, self.num_workers, opts)
@@ -193,6 +194,8 @@ class Pipeline:
         if not isinstance(epoch, int) or epoch < 1:
             raise ValueError(f"epochs count from 1, got {epoch!r}")
         self._drop_iter()
+        if isinstance(self.dataset, Dataset) and self.dataset.init_epoch(epoch):
+            self._renew_dataset_state()
         name = _describe(self.dataset)
         if len(self.dataset) == 0:
             raise DataError(
@@ -221,6 +224,14 @@ class Pipeline:
         self._entries = entries
         self._ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
         self.epoch, self.position = epoch, 0
+
+    def _renew_dataset_state(self) -> None:
+        """The dataset's sequences changed for this epoch (``Dataset.init_epoch``): drop what was read of them."""
+        self._lengths = None
+        self._loader = BatchLoader(self.dataset, self.extern_data)
+        if self._pool is not None:  # persistent workers hold a copy of the old dataset state
+            self._pool.close()
+            self._pool = WorkerPool(self._loader, self.num_workers, self._pool_opts)
 
     def _ensure_planned(self) -> None:
         if self._ranges is None:

@@ -152,3 +152,21 @@ def test_concat_and_static_datasets_equal_returnn():
     static = {"class": "StaticDataset", "data": _seqs(9, 8), "seq_ordering": "laplace:.3", "partition_epoch": 2}
     for epoch in (1, 2, 3):
         _assert_same(_kit_read(static, epoch), _returnn_read(static, epoch))
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},  # new sequences every epoch
+        {"fixed_random_seed": 3},
+        {"seq_ordering": "random", "partition_epoch": 2},
+        {"seq_ordering": "random:2", "random_seed_offset": 5},
+    ],
+)
+def test_task12ax_sequences_equal_returnn(opts):
+    spec = {"class": "Task12AXDataset", "num_seqs": 12, **opts}
+    for epoch in (1, 2, 3):
+        kit_seqs, returnn_seqs = _kit_read(spec, epoch), _returnn_read(spec, epoch)
+        assert [t for t, _ in kit_seqs] == [t for t, _ in returnn_seqs]
+        for (_, a), (_, b) in zip(kit_seqs, returnn_seqs):
+            assert np.array_equal(a["data"], b["data"]) and np.array_equal(a["classes"], b["classes"])
