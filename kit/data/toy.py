@@ -96,7 +96,6 @@ class Task12AXDataset(Dataset):
     @staticmethod
     def _draw_symbols(rng: np.random.Generator | np.random.RandomState, n: int) -> str:
         # RETURNN's made-up distribution and draw order: frequent AX/BY pairs so that target 1 is not rare.
-        kit_rng = isinstance(rng, np.random.Generator)
         text = str(rng.choice(["", "1", "2"]))
         while len(text) < n:
             if rng.uniform() < 0.5:
@@ -105,7 +104,10 @@ class Task12AXDataset(Dataset):
                 text += str(rng.choice(["AX", "BY"]))
             while rng.uniform() < 0.5:
                 symbols = Task12AXDataset.symbols
-                text += symbols[int(rng.integers(0, 9))] if kit_rng else str(rng.choice(list(symbols)))
+                if isinstance(rng, np.random.Generator):
+                    text += symbols[int(rng.integers(0, 9))]
+                else:
+                    text += str(rng.choice(list(symbols)))
         return text[:n]
 
     @classmethod
