@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kit.data.dataset import ArrayDataset, Dataset, GeneratorDataset, TorchDataset
+from kit.data.distrib_files import DistributeFilesDataset
 from kit.data.hdf import HDFDataset
 from kit.data.meta import ConcatDataset, MetaDataset, StaticDataset
 from kit.data.text import CharTextDataset
@@ -27,6 +28,7 @@ BUILTINS: dict[str, type] = {
         StaticDataset,
         ConcatDataset,
         MetaDataset,
+        DistributeFilesDataset,
     )
 }
 

@@ -170,3 +170,42 @@ def test_task12ax_sequences_equal_returnn(opts):
         assert [t for t, _ in kit_seqs] == [t for t, _ in returnn_seqs]
         for (_, a), (_, b) in zip(kit_seqs, returnn_seqs):
             assert np.array_equal(a["data"], b["data"]) and np.array_equal(a["classes"], b["classes"])
+
+
+def sub_epoch_hdf(files):
+    return {"class": "HDFDataset", "files": list(files), "seq_ordering": "laplace:.3", "cache_byte_size": 0}
+
+
+@pytest.mark.parametrize("ordering", ["random", "default"])
+def test_distribute_files_dataset_equals_returnn(tmp_path, ordering):
+    files = []
+    for i, n in enumerate([3, 7, 2, 5, 4, 6, 3]):
+        path = tmp_path / f"part{i}.hdf"
+        write_hdf(path, _seqs(n, 10 + i), [f"p{i}-{j}" for j in range(n)])
+        files.append(str(path))
+    opts = {
+        "class": "DistributeFilesDataset",
+        "files": files,
+        "get_sub_epoch_dataset": sub_epoch_hdf,
+        "partition_epoch": 3,
+        "seq_ordering": ordering,
+    }
+    for epoch in range(1, 8):
+        _assert_same(_kit_read(opts, epoch), _returnn_read({**opts, "use_worker_proc": False}, epoch))
+
+
+def test_files_distributed_over_sub_epochs_as_in_returnn():
+    from returnn.datasets.distrib_files import DistributeFilesDataset as ReturnnDFD
+
+    from kit.data.distrib_files import distribute_by_size
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        n = int(rng.integers(1, 25))
+        sizes = [int(s) for s in rng.integers(1, 200, size=n)] if trial % 3 else [5, 5] + [10] * (n % 8)
+        for num_bins in range(1, len(sizes) + 1):
+            names = [f"f{i}" for i in range(len(sizes))]
+            ref = ReturnnDFD._distribute_evenly_by_size(
+                num_bins=num_bins, file_sizes=dict(zip(names, sizes)), files_order=names
+            )
+            assert [[names[i] for i in b] for b in distribute_by_size(sizes, num_bins)] == ref, (sizes, num_bins)
