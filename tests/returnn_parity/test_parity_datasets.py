@@ -59,7 +59,7 @@ def _returnn_read(opts, epoch=1):
 
 
 def _kit_read(opts, epoch=1):
-    ds = make_dataset(dict(opts))
+    ds = make_dataset(dict(opts) if isinstance(opts, dict) else opts)
     ds.init_epoch(epoch)
     return [(ds.get_seq_tag(i), ds.get_seq(i)) for i in ds.get_seq_order(epoch)]
 
@@ -209,3 +209,28 @@ def test_files_distributed_over_sub_epochs_as_in_returnn():
                 num_bins=num_bins, file_sizes=dict(zip(names, sizes)), files_order=names
             )
             assert [[names[i] for i in b] for b in distribute_by_size(sizes, num_bins)] == ref, (sizes, num_bins)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_other_returnn_classes_come_through_returnns_api(workers):
+    """CopyTaskDataset has no kit class: adapted, it gives RETURNN's sequences batch by batch."""
+    import torch
+
+    from kit.data import Pipeline
+    from kit.data.returnn_adapter import ReturnnDataset
+
+    spec = {"class": "CopyTaskDataset", "nsymbols": 5, "minlen": 2, "maxlen": 9, "num_seqs": 14, "seq_ordering": "random"}
+    ds = make_dataset(spec)
+    assert isinstance(ds, ReturnnDataset)
+    pipe = Pipeline(ds, batch_size=30, num_workers=workers)
+    try:
+        for epoch in (1, 2):
+            pipe.set_epoch(epoch)
+            got = [(tag, batch["data"].tensor[row, : int(batch["data"].lengths[row])]) for batch in pipe for row, tag in enumerate(batch.seq_tags)]
+            ref = _returnn_read(spec, epoch)
+            assert [t for t, _ in got] == [t for t, _ in ref]
+            assert all(torch.equal(x, torch.as_tensor(r["data"]).to(x.dtype)) for (_, x), (_, r) in zip(got, ref))
+    finally:
+        pipe.close()
+    obj = rdatasets.init_dataset({**spec, "random_seed_offset": 0})
+    assert [t for t, _ in _kit_read(obj, 3)] == [t for t, _ in _returnn_read(spec, 3)]
