@@ -42,7 +42,7 @@ def returnn_dataset_class(name: str) -> type | None:
     """RETURNN's dataset class of this name, or None (also when RETURNN is not installed)."""
     if not returnn_installed():
         return None
-    from returnn.datasets.basic import get_dataset_class
+    from returnn.datasets.basic import get_dataset_class  # type: ignore[import-untyped]
 
     return get_dataset_class(name)
 
@@ -57,7 +57,7 @@ class ReturnnDataset(Dataset):
 
     def __init__(self, dataset: Any, *, name: str | None = None):
         if isinstance(dataset, Mapping):
-            from returnn.datasets import init_dataset
+            from returnn.datasets import init_dataset  # type: ignore[import-untyped]
 
             try:
                 dataset = init_dataset(dict(dataset))
