@@ -53,7 +53,7 @@ class Pipeline:
         train: chunking only applies in training (unless ``chunking_in_eval``).
         batch_size: frames per batch including padding, int for all time keys or per key.
         seq_ordering: overrides the dataset's own ``seq_ordering``.
-        random_seed: seed of random orders, for datasets without their own ``random_seed``.
+        random_seed: the config's ``random_seed``; as in RETURNN it does not change the data order.
         seq_indices: restrict to these dataset indices (in the epoch's order; partitions
             are not applied then).
     """
@@ -164,8 +164,10 @@ class Pipeline:
     def _order(self, epoch: int) -> list[int]:
         ds = self.dataset
         n = len(ds)
-        own_seed = getattr(ds, "random_seed", None)
-        seed = own_seed if own_seed is not None else self.random_seed
+        # RETURNN's order seed: the dataset's offset (kit's older name: random_seed), not the config's random_seed
+        offset = getattr(ds, "random_seed_offset", None)
+        seed = int(offset if offset is not None else getattr(ds, "random_seed", None) or 0)
+        fixed = getattr(ds, "fixed_random_seed", None)
         method = self.seq_ordering or getattr(ds, "seq_ordering", "default")
         if self.seq_indices is not None:
             bad = [i for i in self.seq_indices if not 0 <= i < n]
@@ -173,7 +175,8 @@ class Pipeline:
                 raise DataError(
                     f"seq_indices {bad[:5]} are out of range for dataset {_describe(ds)} ({n} seqs)"
                 )
-            full = ordering.full_order(method, n, epoch, lambda: ordering_lengths(self._seq_lengths()), seed)
+            lens = lambda: ordering_lengths(self._seq_lengths())  # noqa: E731
+            full = ordering.full_order(method, n, epoch, lens, seed, fixed_random_seed=fixed)
             wanted = set(self.seq_indices)
             return [int(i) for i in full if i in wanted]
         if isinstance(ds, Dataset):
@@ -187,6 +190,7 @@ class Pipeline:
             seq_len=lambda: ordering_lengths(self._seq_lengths()),
             random_seed=seed,
             partition_epoch=getattr(ds, "partition_epoch", 1),
+            fixed_random_seed=fixed,
         )
 
     def set_epoch(self, epoch: int) -> None:
