@@ -207,13 +207,14 @@ def lr_control_spec(v: Any) -> str | None:
 def seq_ordering_spec(v: Any) -> str | None:
     if v is None:
         return None
-    pattern = (
-        r"(default|reverse|sorted|sorted_reverse|random(:\d+)?|laplace:\.?\d+(:\d+)?"
-        r"|sort_bin_shuffle(_x2)?:\.?\d+(:\d+)?)"
-    )
-    if isinstance(v, str) and re.fullmatch(pattern, v):
-        return None
-    return "one of default, reverse, sorted, sorted_reverse, random[:seed], laplace:B or laplace:.S[:seed], sort_bin_shuffle[_x2]:B"
+    from kit.data import ordering  # the one parser of orderings (imported late: data imports config)
+    from kit.errors import ConfigError
+
+    try:
+        ordering.check(v)
+    except ConfigError as exc:
+        return str(exc).split("expected ", 1)[-1]
+    return None
 
 
 def eval_datasets_spec(v: Any) -> str | None:
@@ -274,7 +275,7 @@ _KEYS: list[Key] = [
     _k("data", "chunking_in_eval", "bool", False, "also chunk eval datasets (RETURNN never does)", boolean),
     _k("data", "seq_ordering", "str", None, "override the datasets' own seq_ordering for training", seq_ordering_spec),
     _k("data", "torch_dataloader_opts", "dict", None, "{'num_workers': k, ...}; workers never duplicate data"),
-    _k("data", "random_seed", "int", 42, "seed for model init, data order and training randomness", non_negative_int),
+    _k("data", "random_seed", "int", 42, "seed for model init and training randomness (data orders follow RETURNN: epoch, fixed_random_seed, random_seed_offset)", non_negative_int),
     # training loop
     _k("training", "num_epochs", "int", 1, "final (sub)epoch to train", positive_int),
     _k("training", "start_epoch", "int | str", "auto", "first epoch to train ('auto': continue after the newest checkpoint)"),
