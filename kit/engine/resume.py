@@ -108,6 +108,10 @@ def score_file_path(config: Config) -> str | None:
 def open_score_table(config: Config) -> Any:
     from kit.scores import ScoreTable
 
+    if config.typed_value("learning_rate_file"):  # RETURNN's format stays RETURNN's; kit's JSON beside it
+        from kit.compat.returnn_run import ReturnnScoreTable
+
+        return ReturnnScoreTable.open(config.typed_value("learning_rate_file"))
     path = score_file_path(config)
     if path and os.path.exists(path):
         return ScoreTable.load(path)
@@ -154,6 +158,8 @@ def _find_train_start(config: Config) -> Start:
             start.epoch, start.first_train_epoch = start_epoch, False
             return start
         return _start_from(_epoch_checkpoint(prefix, start_epoch - 1, "start_epoch"), f"start_epoch={start_epoch}")
+    if (returnn := _returnn_start(prefix, training=True)) is not None:  # a RETURNN run, newer than kit's files
+        return returnn
     if prefix and (loaded := checkpoints.load_latest(prefix)) is not None:
         if load or config.typed_value("import_model_train_epoch1"):
             logger.info("resuming from the existing checkpoint %s; 'load' / 'import_model_train_epoch1' are ignored",
@@ -175,9 +181,37 @@ def _find_eval_start(config: Config) -> Start:
     if config.typed_value("load_epoch"):
         ckpt = _epoch_checkpoint(prefix, int(config.typed_value("load_epoch")), "load_epoch")
         return _start_from(ckpt, "load_epoch", with_train_state=False)
+    if (returnn := _returnn_start(prefix, training=False)) is not None:
+        return returnn
     if prefix and (loaded := checkpoints.load_latest(prefix, load_train_state=False)) is not None:
         return _start_from(loaded[0], "newest checkpoint", with_train_state=False, loaded=loaded[1:])
     return Start(first_train_epoch=False)
+
+
+def _returnn_start(prefix: str | None, *, training: bool) -> Start | None:
+    """RETURNN's newest checkpoint under ``prefix`` (when newer than kit's), as a start; read only."""
+    from kit.compat.returnn_run import returnn_start
+
+    found = returnn_start(prefix)
+    if found is None:
+        return None
+    path, epoch, step = found["checkpoint"].path, found["epoch"], found["global_train_step"]
+    logger.info("continuing RETURNN's run: %s (epoch %d, global step %d)", path, epoch, step)
+    if not training:
+        return Start(epoch=epoch, global_train_step=step, model_state=found["model_state"],
+                     source=f"RETURNN checkpoint {path}", first_train_epoch=False)
+    lr = found["learning_rate"]
+    opt = found["optimizer"]
+    state = {
+        "progress": {"epoch": epoch, "global_train_step": step, "epoch_start_global_step": step},
+        "optimizer": None if opt is None else opt["optimizer"],
+        "updater": None if opt is None else {"param_names": opt.get("param_names"),
+                                             **({} if lr is None else {"learning_rate": lr})},
+        "rng": get_rng_state(),  # reseeded at the epoch start from (random_seed, epoch, step), as RETURNN does
+        "learning_rate": {"epoch": lr or 0.0, "step": lr or 0.0},
+    }
+    return Start(epoch=epoch, global_train_step=step, model_state=found["model_state"], train_state=state,
+                 source=f"RETURNN checkpoint {path}", first_train_epoch=False)
 
 
 def _start_epoch(config: Config) -> int | None:
@@ -382,9 +416,13 @@ def init_weights(engine: Any, start: Start) -> None:
 def train_state(engine: Any) -> dict[str, Any]:
     """Everything besides the weights that a bit-exact continuation needs."""
     p = engine.progress
+    updater = engine.updater.state_dict() if engine.updater else None
     state: dict[str, Any] = {
         "progress": p.state_dict(),
-        "optimizer": engine.updater.state_dict() if engine.updater else None,
+        # "optimizer" and "param_names" at the top, as in RETURNN's .opt.pt: RETURNN can continue from it
+        "optimizer": updater.pop("optimizer") if updater else None,
+        "param_names": updater["param_names"] if updater else None,
+        "updater": updater,
         "grad_scaler": engine.grad_scaler.state_dict() if engine.grad_scaler else None,
         "pipeline": engine.train_pipeline.state_dict() if engine.train_pipeline and p.epoch_running else None,
         "accounting": engine.accounting.state_dict() if p.epoch_running else None,
@@ -408,7 +446,10 @@ def load_train_state(engine: Any, state: dict[str, Any]) -> None:
     p = engine.progress
     p.load_state_dict(state["progress"])
     if state.get("optimizer") is not None:
-        engine.updater.load_state_dict(state["optimizer"])
+        if "updater" in state:
+            engine.updater.load_state_dict({**(state["updater"] or {}), "optimizer": state["optimizer"]})
+        else:  # kit's earlier layout: the whole updater state under "optimizer"
+            engine.updater.load_state_dict(state["optimizer"])
     if state.get("grad_scaler") is not None and engine.grad_scaler is not None:
         engine.grad_scaler.load_state_dict(state["grad_scaler"])
         # GradScaler creates its scale tensor on the first scale() call; an open accumulation
