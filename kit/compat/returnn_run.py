@@ -25,7 +25,7 @@ from typing import Any
 from kit import checkpoints
 from kit.errors import CorruptCheckpointError
 from kit.fileio import atomic_write_text
-from kit.scores import ScoreTable, parse_returnn_lr_file
+from kit.scores import ScoreTable
 
 logger = logging.getLogger("kit")
 
