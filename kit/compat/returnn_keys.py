@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kit.config_keys import KEYS
+from kit.config.keys import KEYS
 
 logger = logging.getLogger("kit")
 

@@ -71,7 +71,39 @@ def _kit_position(prefix: str) -> float:
     return best
 
 
-def returnn_start(prefix: str | None) -> dict[str, Any] | None:
+def returnn_start(prefix: str | None, *, training: bool) -> dict[str, Any] | None:
+    """Where to start from RETURNN's newest checkpoint under ``prefix`` (when newer than kit's), else None.
+
+    Returns the keyword arguments of :class:`kit.engine.start.Start`; when training, a training
+    state in kit's layout holding RETURNN's optimizer state. Reads only.
+    """
+    found = newest_returnn_checkpoint(prefix)
+    if found is None:
+        return None
+    path, epoch, step = found["checkpoint"].path, found["epoch"], found["global_train_step"]
+    logger.info("continuing RETURNN's run: %s (epoch %d, global step %d)", path, epoch, step)
+    start = {"epoch": epoch, "global_train_step": step, "model_state": found["model_state"],
+             "source": f"RETURNN checkpoint {path}", "first_train_epoch": False}
+    if training:
+        start["train_state"] = _train_state(found)
+    return start
+
+
+def _train_state(found: Mapping[str, Any]) -> dict[str, Any]:
+    from kit.rng import get_rng_state
+
+    lr, opt, epoch, step = found["learning_rate"], found["optimizer"], found["epoch"], found["global_train_step"]
+    updater = None if opt is None else {"param_names": opt.get("param_names"), **({} if lr is None else {"learning_rate": lr})}
+    return {
+        "progress": {"epoch": epoch, "global_train_step": step, "epoch_start_global_step": step},
+        "optimizer": None if opt is None else opt["optimizer"],
+        "updater": updater,
+        "rng": get_rng_state(),  # reseeded at the epoch start from (random_seed, epoch, step), as RETURNN does
+        "learning_rate": {"epoch": lr or 0.0, "step": lr or 0.0},
+    }
+
+
+def newest_returnn_checkpoint(prefix: str | None) -> dict[str, Any] | None:
     """RETURNN's newest loadable checkpoint under ``prefix`` when it is newer than kit's; else None.
 
     Returns ``{"checkpoint", "model_state", "epoch" (the next one to train), "global_train_step",
