@@ -246,6 +246,11 @@ class Config(Mapping[str, Any]):
             h.update(f"{name}={_describe(self._values[name])};".encode())
         return h.hexdigest()[:16]
 
+    def key_digests(self) -> dict[str, str]:
+        """A short hash per setting (as in :meth:`digest`), so that a resume can name the keys that changed."""
+        return {name: hashlib.sha256(_describe(self._values[name]).encode()).hexdigest()[:12]
+                for name in sorted(self._values)}
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={_describe(v)}" for k, v in sorted(self._values.items()))
         src = f" from {self.source}" if self.source else ""

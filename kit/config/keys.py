@@ -166,16 +166,36 @@ def learning_rates_spec(v: Any) -> str | None:
     return "a list of numbers >= 0 (per epoch), or a dict epoch -> number (strings are never evaluated)"
 
 
-def cleanup_spec(v: Any) -> str | None:
+CLEANUP_DEFAULTS: dict[str, Any] = {"keep_last_n": 2, "keep_best_n": 4, "keep": (), "dry_run": False}
+
+
+def cleanup_problems(v: Any) -> list[str]:
+    """Everything wrong with a ``cleanup_old_models`` value (one source for the config check and cleanup)."""
     if v is None or isinstance(v, bool):
+        return []
+    if not isinstance(v, dict):
+        return [f"cleanup_old_models: got {v!r}, expected True, False, or a dict (keep_last_n, keep_best_n, keep, dry_run)"]
+    problems = [f"cleanup_old_models: unknown option {k!r} (known: {', '.join(CLEANUP_DEFAULTS)})"
+                for k in v if k not in CLEANUP_DEFAULTS]
+    best = v.get("keep_best_n", 4)
+    counts = [("keep_last_n", v.get("keep_last_n", 2))]
+    counts += [(f"keep_best_n[{k!r}]", n) for k, n in best.items()] if isinstance(best, dict) else [("keep_best_n", best)]
+    problems += [f"cleanup_old_models: {name} must be an int >= 0, got {n!r}" for name, n in counts
+                 if not (_is_int(n) and n >= 0)]
+    keep = v.get("keep", ())
+    if not isinstance(keep, (list, tuple, set, frozenset, range)) or not all(_is_int(e) for e in keep):
+        problems.append(f"cleanup_old_models: keep must be a list of epochs (ints), got {keep!r}")
+    if not isinstance(v.get("dry_run", False), bool):
+        problems.append(f"cleanup_old_models: dry_run must be True or False, got {v['dry_run']!r}")
+    return problems
+
+
+def cleanup_spec(v: Any) -> str | None:
+    problems = cleanup_problems(v)
+    if not problems:
         return None
-    allowed = {"keep_last_n", "keep_best_n", "keep", "dry_run", "keep_best_n_keys"}
-    if isinstance(v, dict):
-        bad = sorted(set(v) - allowed)
-        if bad:
-            return f"a dict with keys among {sorted(allowed)} (got unknown {bad})"
-        return None
-    return "True, False, or a dict (keep_last_n, keep_best_n, keep, dry_run)"
+    return "True, False or a dict of keep_last_n, keep_best_n, keep, dry_run; here: " + "; ".join(
+        p.removeprefix("cleanup_old_models: ") for p in problems)
 
 
 def device_spec(v: Any) -> str | None:
@@ -198,6 +218,25 @@ def seq_ordering_spec(v: Any) -> str | None:
     if isinstance(v, str) and re.fullmatch(pattern, v):
         return None
     return "one of default, reverse, sorted, sorted_reverse, random[:seed], laplace:B or laplace:.S[:seed], sort_bin_shuffle[_x2]:B"
+
+
+def eval_datasets_spec(v: Any) -> str | None:
+    if v is None or (isinstance(v, dict) and all(isinstance(k, str) for k in v)):
+        return None
+    return "a dict name -> dataset, e.g. eval_datasets={'dev': {...}, 'test': {...}}"
+
+
+def preload_spec(v: Any) -> str | None:
+    expected = ("a dict name -> {'filename': ..., 'prefix': ..., 'init_for_train': ...}, "
+                "e.g. preload_from_files={'base': {'filename': 'base.pt'}}")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        return expected
+    bad = [name for name, entry in v.items() if not isinstance(entry, dict) or "filename" not in entry]
+    if bad:
+        return f"{expected}; entry {bad[0]!r} is not a dict with a 'filename'"
+    return None
 
 
 def dataset_spec(v: Any) -> str | None:
@@ -228,7 +267,7 @@ _KEYS: list[Key] = [
     _k("data", "train", "dataset", None, "training dataset (object or dict with 'class')", dataset_spec),
     _k("data", "dev", "dataset", None, "dev dataset; evaluated after each train epoch", dataset_spec),
     _k("data", "eval", "dataset", None, "eval dataset; evaluated after each train epoch", dataset_spec),
-    _k("data", "eval_datasets", "dict", None, "name -> dataset, evaluated after each train epoch"),
+    _k("data", "eval_datasets", "dict", None, "name -> dataset, evaluated after each train epoch", eval_datasets_spec),
     _k("data", "forward_data", "dataset", None, "dataset for `python -m kit forward`", dataset_spec),
     _k("data", "batch_size", "int | dict", 5000, "frames per batch including padding (max_len * num_seqs), per key or for all keys", int_or_per_key(allow_none=False)),
     _k("data", "max_seqs", "int", None, "maximum number of sequences per batch", optional_positive_int),
@@ -292,7 +331,7 @@ _KEYS: list[Key] = [
     _k("checkpoints", "save_interval", "int", 1, "save a checkpoint every N epochs (and always the final one)", positive_int),
     _k("checkpoints", "save_every_n_steps", "int", None, "also save a step checkpoint every N train steps", optional_positive_int),
     _k("checkpoints", "cleanup_old_models", "bool | dict", None, "keep_last_n, keep_best_n, keep, dry_run", cleanup_spec),
-    _k("checkpoints", "preload_from_files", "dict", None, "name -> {filename, prefix, checkpoint_key, ignore_params, ..., init_for_train}"),
+    _k("checkpoints", "preload_from_files", "dict", None, "name -> {filename, prefix, checkpoint_key, ignore_params, ..., init_for_train}", preload_spec),
     _k("checkpoints", "load_model_post_hooks", "list", None, "callables f(*, model, **kw) run after loading weights"),
     _k("checkpoints", "load", "str", None, "checkpoint file to start from"),
     _k("checkpoints", "load_epoch", "int", None, "epoch checkpoint to start from", optional_positive_int),

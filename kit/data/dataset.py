@@ -200,7 +200,11 @@ def ordering_lengths(lengths: Mapping[str, np.ndarray]) -> np.ndarray:
 
 def _check_seq(seq: Any, where: str) -> SeqDict:
     if not isinstance(seq, Mapping) or not seq:
-        raise DataError(f"{where}: expected a non-empty dict key -> array, got {type(seq).__name__}")
+        hint = ""
+        if isinstance(seq, (tuple, list)) and seq:
+            names = ", ".join(f'"{n}": {v}' for n, v in zip(("data", "classes", "extra"), "xyz"[:len(seq)]))
+            hint = f"; a sequence is a dict data key -> array: return {{{names}}} instead of a {type(seq).__name__}"
+        raise DataError(f"{where}: expected a non-empty dict key -> array, got {type(seq).__name__}{hint}")
     return {str(k): as_numpy(v) for k, v in seq.items()}
 
 

@@ -76,6 +76,8 @@ def load_train_state(engine: Any, state: dict[str, Any]) -> None:
 
 def save(engine: Any, *, kind: str, epoch: int | None) -> Any:
     p = engine.progress
+    if engine.prefix_lock is not None:
+        engine.prefix_lock.check()
     return checkpoints.save(
         engine.model_prefix,
         epoch=epoch if epoch is not None else p.epoch,
@@ -85,6 +87,7 @@ def save(engine: Any, *, kind: str, epoch: int | None) -> Any:
         effective_learning_rate=engine._step_lr,
         kind=kind,
         config_digest=engine.config.digest(),
+        config_keys=engine.config.key_digests(),
     )
 
 

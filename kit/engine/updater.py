@@ -149,6 +149,9 @@ class Updater:
         return opts
 
     def _create_optimizer(self) -> torch.optim.Optimizer:
+        from kit.engine.optimizer_check import check_optimizer
+
+        check_optimizer(self.config)  # keywords and their types, as one ConfigError
         opts = self._optimizer_opts()
         cls = resolve_optimizer_class(opts.pop("class"))
         multiplier = float(opts.pop("learning_rate_multiplier", 1.0))
@@ -159,18 +162,14 @@ class Updater:
                 raise ConfigError("config key 'optimizer': set 'eps' or its alias 'epsilon', not both")
             if accepted is None or "eps" in accepted:
                 opts["eps"] = opts.pop("epsilon")
-        if accepted is not None:
-            unknown = sorted(set(opts) - accepted)
-            if unknown:
-                raise ConfigError(
-                    f"config key 'optimizer': {cls.__name__} does not accept {', '.join(map(repr, unknown))}; "
-                    f"it accepts {', '.join(sorted(accepted - {'lr'}))}"
-                )
         groups = self._param_groups(cls, opts, **grouping)
         for group in groups:
             group["learning_rate_multiplier"] = float(group.get("learning_rate_multiplier", 1.0)) * multiplier
             group["lr"] = self.learning_rate * group["learning_rate_multiplier"]
-        optimizer = cls(groups, lr=self.learning_rate * multiplier, **opts)
+        try:
+            optimizer = cls(groups, lr=self.learning_rate * multiplier, **opts)
+        except (TypeError, ValueError) as e:  # torch's own range checks, e.g. "Invalid beta parameter"
+            raise ConfigError(f"config key 'optimizer': {getattr(cls, '__name__', cls)} refused {opts}: {e}") from None
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 f"config key 'optimizer': the factory returned {type(optimizer).__name__}, not an Optimizer"
