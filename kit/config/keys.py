@@ -99,6 +99,16 @@ def int_or_callable(v: Any) -> str | None:
     return None if callable(v) or (_is_int(v) and v > 0) else "a positive int or a callable"
 
 
+def number_or_callable(v: Any) -> str | None:
+    return None if v is None or callable(v) or (_is_num(v) and v > 0) else "a number > 0 or a function lr -> lr"
+
+
+def str_or_list(v: Any) -> str | None:
+    if v is None or isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)):
+        return None
+    return "a score key or a list of score keys"
+
+
 def optional_callable(v: Any) -> str | None:
     return None if v is None or callable(v) else "a callable or None"
 
@@ -277,7 +287,8 @@ _KEYS: list[Key] = [
     _k("data", "torch_dataloader_opts", "dict", None, "{'num_workers': k, ...}; workers never duplicate data"),
     _k("data", "random_seed", "int", 42, "seed for model init and training randomness (data orders follow RETURNN: epoch, fixed_random_seed, random_seed_offset)", non_negative_int),
     # training loop
-    _k("training", "num_epochs", "int", 1, "final (sub)epoch to train", positive_int),
+    _k("training", "task", "str", "train", "RETURNN's task; in kit the command (train / eval / forward) or the Session call decides what runs", one_of("train", "eval", "forward")),
+    _k("training", "num_epochs", "int", 5, "final (sub)epoch to train (RETURNN's default 5)", positive_int),
     _k("training", "start_epoch", "int | str", "auto", "first epoch to train ('auto': continue after the newest checkpoint)"),
     _k("training", "accum_grad_multiple_step", "int | callable", 1, "micro-batches per update; gradients are summed, not averaged", int_or_callable),
     _k("training", "torch_amp", "str | dict", None, "autocast dtype: 'float16' / 'bfloat16' / {'dtype': .., 'grad_scaler': {..}}", amp_spec),
@@ -300,17 +311,18 @@ _KEYS: list[Key] = [
     _k("optimizer", "learning_rate", "float", 1.0, "initial learning rate", finite_non_negative_number),
     _k("optimizer", "learning_rates", "list | dict", None, "learning rate per epoch (list from epoch 1, or dict epoch -> lr)", learning_rates_spec),
     _k("optimizer", "learning_rate_control", "str", "constant", "constant | newbob | newbob_abs | newbob_multi_epoch", lr_control_spec),
-    _k("optimizer", "learning_rate_control_error_measure", "str", None, "score key newbob looks at (default: first dev score, with a warning)", optional_str),
+    _k("optimizer", "learning_rate_control_error_measure", "str | list", None, "score key(s) newbob looks at (default, with a warning: RETURNN's choice — dev_score, else the first dev_ key in sorted order)", str_or_list),
     _k("optimizer", "learning_rate_control_relative_error_relative_lr", "bool", False, "newbob: scale the relative error by the learning rate ratio", boolean),
     _k("optimizer", "learning_rate_control_min_num_epochs_per_new_lr", "int", 0, "newbob: keep a new lr at least this many epochs", non_negative_int),
-    _k("optimizer", "learning_rate_decay", "float", 0.5, "newbob: lr factor when the error does not improve enough", positive_number),
-    _k("optimizer", "learning_rate_growth", "float", 1.0, "newbob: lr factor when the error improves", positive_number),
+    _k("optimizer", "learning_rate_decay", "float | callable", 0.5, "newbob: lr factor (or f(lr) -> lr) when the error does not improve enough", number_or_callable),
+    _k("optimizer", "learning_rate_growth", "float | callable", 1.0, "newbob: lr factor (or f(lr) -> lr) when the error improves", number_or_callable),
+    _k("optimizer", "newbob_learning_rate_growth", "float | callable", None, "alias of learning_rate_growth (RETURNN)", number_or_callable),
     _k("optimizer", "min_learning_rate", "float", 0.0, "lower bound for newbob", non_negative_number),
     _k("optimizer", "newbob_relative_error_threshold", "float", -0.01, "newbob: decay when relative error change > this"),
     _k("optimizer", "newbob_relative_error_grow_threshold", "float", None, "newbob_multi_epoch: grow when the mean relative error change < this (default newbob_relative_error_threshold)"),
     _k("optimizer", "newbob_relative_error_div_by_old", "bool", False, "newbob: relative error = (new - old) / |old| instead of / |new|", boolean),
     _k("optimizer", "newbob_error_threshold", "float", -0.01, "newbob_abs: decay when absolute error change > this"),
-    _k("optimizer", "newbob_learning_rate_decay", "float", None, "alias of learning_rate_decay (RETURNN)", optional_non_negative_number),
+    _k("optimizer", "newbob_learning_rate_decay", "float | callable", None, "alias of learning_rate_decay (RETURNN)", number_or_callable),
     _k("optimizer", "newbob_multi_num_epochs", "int", 5, "newbob_multi_epoch: epochs averaged", positive_int),
     _k("optimizer", "newbob_multi_update_interval", "int", None, "newbob_multi_epoch: epochs between lr checks (default newbob_multi_num_epochs)", optional_positive_int),
     _k("optimizer", "dynamic_learning_rate", "callable", None, "f(*, global_train_step, epoch, epoch_continuous, learning_rate, **kw) -> lr, every step", optional_callable),

@@ -379,7 +379,9 @@ class Engine:
         import kit
 
         meta = {
-            "global_train_step": self.progress.global_train_step,
+            # RETURNN's meaning: the global step at the epoch's start; its end under global_train_step_end
+            "global_train_step": self.progress.epoch_start_global_step,
+            "global_train_step_end": self.progress.global_train_step,
             "effective_learning_rate": self._step_lr,
             "epoch_num_train_steps": self.accounting.num_steps,
             "epoch_train_time_secs": round(time.time() - self._epoch_start_time, 3),
