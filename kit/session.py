@@ -312,9 +312,26 @@ class Session(TrainingLoop, Debugging):
 
     @property
     def scores(self) -> Any:
-        """pandas DataFrame, one row per epoch — the same as the score file."""
+        """pandas DataFrame, one row per epoch: learning rate and scores (the run's metadata is in
+        :attr:`scores_meta`; ``session.score_table.to_pandas()`` has both, as the score file)."""
         self._setup()
-        return self.engine.scores.to_pandas()
+        return self.engine.scores.to_pandas("scores")
+
+    @property
+    def scores_meta(self) -> Any:
+        """pandas DataFrame, one row per epoch: steps, train time, time, host, device, versions, memory."""
+        self._setup()
+        return self.engine.scores.to_pandas("meta")
+
+    def plot(self, *, smoothing: float = 0.9) -> Any:
+        """A matplotlib Figure: losses and error rates per step (raw and smoothed, on separate axes)
+        and the scores per epoch (shows itself in a notebook; ``.savefig(path)`` writes it)."""
+        from kit.scores import split_score_key
+        from kit.widgets.training_plot import plot_training
+
+        self._setup()
+        errors = {split_score_key(k)[1] for k in self.engine.scores.error_keys} | set(self.engine.accounting.errors)
+        return plot_training(self.history, self.scores, error_names=errors, smoothing=smoothing)
 
     @property
     def history(self) -> Any:

@@ -121,7 +121,7 @@ class CheckpointWidget:
 
     def refresh(self) -> None:
         """Read the checkpoint files again."""
-        frame = self.browser.table
+        frame = self.browser.table_all
         self.rows = frame.to_dict("records") if len(frame) else []
         self.score_keys = _score_keys(list(frame.columns))
         usable = [
