@@ -4,7 +4,7 @@ The sweep trains ``num_steps`` probe steps on the next training batches (the eng
 step, with the probe's learning rate), the learning rate growing from ``start_lr`` to
 ``end_lr`` by the same factor each step, and stops early once the smoothed loss diverges
 (non-finite, or more than ``diverge_factor`` times its best). Before it, the engine's training
-state is taken in memory — the same state a checkpoint holds (:func:`kit.engine.resume.train_state`)
+state is taken in memory — the same state a checkpoint holds (:func:`kit.engine.state.train_state`)
 plus the weights and buffers — and put back afterwards (also after an error or an interrupt),
 so parameters, optimizer state, RNG states, data position, history and score table are
 bitwise what they were. No event reaches the session's views: the probe steps are not training.
@@ -20,7 +20,7 @@ from typing import Any
 
 import pandas as pd  # type: ignore[import-untyped]
 
-from kit.engine import resume
+from kit.engine import state as engine_state
 from kit.engine.accounting import EpochAccounting
 from kit.errors import KitError, NonFiniteLossError
 from kit.events import Events
@@ -143,7 +143,7 @@ def preserved_training_state(engine: Any) -> Iterator[None]:
 
     The probe steps see a fresh event bus, no debugger and a throwaway loss accounting.
     """
-    state = copy.deepcopy(resume.train_state(engine))  # optimizer, scaler, progress, LR, RNG, LR control
+    state = copy.deepcopy(engine_state.train_state(engine))  # optimizer, scaler, progress, LR, RNG, LR control
     model = engine.model
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}  # parameters and buffers
     grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -157,7 +157,7 @@ def preserved_training_state(engine: Any) -> Iterator[None]:
     finally:
         engine.events, engine.debugger = kept["events"], kept["debugger"]
         model.load_state_dict(weights)
-        resume.load_train_state(engine, state)
+        engine_state.load_train_state(engine, state)
         engine.accounting, engine.last_batch = kept["accounting"], kept["last_batch"]
         engine.train_pipeline.load_state_dict(pipeline)
         for name, param in model.named_parameters():

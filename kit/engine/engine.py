@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from kit import distributed
 from kit.config import Config
-from kit.engine import amp, resume
+from kit.engine import amp, distributed, parts, state
+from kit.engine import start as start_
 from kit.engine.accounting import EpochAccounting, StepLosses, stack_losses
 from kit.engine.device import select_device
 from kit.engine.evaluation import evaluate_dataset
@@ -94,23 +94,23 @@ class Engine:
         if self.dist:  # one process per device (cuda:LOCAL_RANK)
             self.device, reason = self.dist.device, f"{reason}; {self.dist}"
         logger.info("device: %s (%s)", self.device, reason)
-        self.datasets = resume.build_datasets(self.config)
+        self.datasets = parts.build_datasets(self.config)
         self._attach_config_views()
-        self.extern_data = resume.build_extern_data(self.config)
-        self.scores = resume.open_score_table(self.config)
+        self.extern_data = parts.build_extern_data(self.config)
+        self.scores = parts.open_score_table(self.config)
         if self.dist and not self.dist.is_main:  # rank 0 alone writes the score file
             self.scores.path = None
-        start = resume.find_start(self.config, self.scores, training=resume.is_training(self))
+        start = start_.find_start(self.config, self.scores, training=start_.is_training(self))
         self.progress.epoch = start.epoch
         self.progress.global_train_step = start.global_train_step
         self.model = self._create_model(start.epoch, start.global_train_step)
-        resume.init_weights(self, start)
+        start_.init_weights(self, start)
         self.grad_scaler = amp.make_grad_scaler(self.config, self.device)
         self.amp_dtype = amp.amp_dtype(self.config)
         self.is_set_up = True
         if start.train_state is not None:
             self._ensure_training_parts()
-            resume.load_train_state(self, start.train_state)
+            state.load_train_state(self, start.train_state)
         if start.needs_eval:
             self._ensure_training_parts()
             self._record_eval(start.epoch - 1, self.eval_model())
@@ -118,7 +118,7 @@ class Engine:
 
     def _attach_config_views(self) -> None:
         """Views that a config key turns on, for the CLI and a Session alike (rank 0 only)."""
-        if self.config.bool("use_tensorboard") and resume.is_training(self) and (not self.dist or self.dist.is_main):
+        if self.config.bool("use_tensorboard") and start_.is_training(self) and (not self.dist or self.dist.is_main):
             from kit.tensorboard import TensorBoardLogger
 
             self.views.append(TensorBoardLogger.from_config(self.config, self.events,
@@ -386,7 +386,7 @@ class Engine:
         if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
             self.save_checkpoint(kind="epoch", epoch=epoch)
             if not self.dist or self.dist.is_main:
-                resume.cleanup(self)
+                state.cleanup(self)
         row = self.epoch_scores(epoch)
         logger.info("finished epoch %d: %s", epoch, _format_scores(self.scores.scores(epoch)))
         self.events.emit("epoch_end", epoch=epoch, scores=row)
@@ -444,7 +444,7 @@ class Engine:
     # ---- eval -------------------------------------------------------------------------
 
     def eval_datasets(self) -> dict[str, Any]:
-        return resume.eval_datasets(self.datasets)
+        return parts.eval_datasets(self.datasets)
 
     def eval_model(self, datasets: Mapping[str, Any] | None = None) -> dict[str, dict[str, float]]:
         """Scores per eval dataset: ``train_step`` under no_grad with ``train_flag=False``.
@@ -483,10 +483,10 @@ class Engine:
     def save_checkpoint(self, *, kind: str = "step", epoch: int | None = None) -> Any:
         """Write a checkpoint of the whole training state now (epoch or mid-epoch step)."""
         if self.dist:  # rank 0 writes (mid-epoch with the loss sums of all ranks so far); the others wait
-            ckpt = self.dist.save_on_main(lambda: resume.save(self, kind=kind, epoch=epoch),
+            ckpt = self.dist.save_on_main(lambda: state.save(self, kind=kind, epoch=epoch),
                                           self.accounting if self.progress.epoch_running else None)
         else:
-            ckpt = resume.save(self, kind=kind, epoch=epoch)
+            ckpt = state.save(self, kind=kind, epoch=epoch)
         self.last_checkpoint = ckpt
         self.events.emit("checkpoint_saved", checkpoint=ckpt)
         return ckpt
@@ -497,12 +497,12 @@ class Engine:
         from kit import checkpoints
 
         self._ensure_training_parts()
-        model_file, state = loaded or checkpoints.load_checkpoint(ckpt)
-        if state is None:
+        model_file, saved = loaded or checkpoints.load_checkpoint(ckpt)
+        if saved is None:
             raise KitError(f"checkpoint {ckpt.path} has no training state to restore; use load() to inspect it")
         checkpoints.load_into_model(self.model, model_file["model"])
         self.accounting = EpochAccounting()
-        resume.load_train_state(self, state)
+        state.load_train_state(self, saved)
         p = self.progress
         self.scores.remove_epochs_after(p.epoch - 1)
         if p.epoch_running:

@@ -303,7 +303,7 @@ def config_reference_markdown() -> str:
     lines = [
         "# Config keys",
         "",
-        "Generated from `kit/config_keys.py` by `python -m kit._config_docs`; do not edit by hand.",
+        "Generated from `kit/config/keys.py` by `python -m kit.config.docs`; do not edit by hand.",
         "",
     ]
     sections: dict[str, list[Key]] = {}
