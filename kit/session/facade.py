@@ -17,6 +17,7 @@ import gc
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -48,11 +49,13 @@ class Session(TrainingLoop, Debugging):
 
     Args:
         config: a :class:`Config` (or mapping of config keys).
-        live: show the live dashboard whenever training runs.
+        live: ``True``: show the live dashboard whenever training runs; ``None`` (default): in a
+            notebook, each train call shows a one-line live progress (unless a dashboard of this
+            session is open); ``False``: show nothing. A train call's ``live=`` overrides it.
         history_max_rows: bound of :attr:`history`; beyond it older steps are thinned out.
     """
 
-    def __init__(self, config: Config | Mapping[str, Any] | None = None, *, live: bool = False,
+    def __init__(self, config: Config | Mapping[str, Any] | None = None, *, live: bool | None = None,
                  history_max_rows: int = 100_000, **kwargs: Any):
         if isinstance(config, Config):
             self.config = config.copy().update(kwargs)
@@ -67,6 +70,8 @@ class Session(TrainingLoop, Debugging):
         self.events.on("step_end", self._history.on_step_end)
         self.live = live
         self._live_dashboard: Any = None
+        self._dashboards: weakref.WeakSet = weakref.WeakSet()  # every dashboard() of this session
+        self._progress_line: Any = None  # the default notebook progress (kit.widgets.progress)
         from kit import debug
 
         # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
@@ -342,7 +347,25 @@ class Session(TrainingLoop, Debugging):
     def dashboard(self) -> Any:
         from kit.widgets import Dashboard
 
-        return Dashboard(self)
+        dashboard = Dashboard(self)
+        self._dashboards.add(dashboard)
+        return dashboard
+
+    def _show_progress(self) -> None:
+        """The default of a train call in a notebook: a live progress line, unless a dashboard watches."""
+        from kit.widgets.dashboard import default_mode
+
+        if default_mode() != "widget" or any(not d.detached for d in self._dashboards):
+            return
+        if self._progress_line is None:
+            from kit.widgets.progress import ProgressLine
+
+            self._progress_line = ProgressLine(self)
+        self._progress_line.start()
+
+    def _end_progress(self, outcome: str) -> None:
+        if self._progress_line is not None:
+            self._progress_line.finish(outcome)
 
     def _show_dashboard(self) -> None:
         try:

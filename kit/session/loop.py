@@ -60,7 +60,7 @@ class TrainingLoop:
 
     def train_step(self) -> StepResult | Paused | None:
         """One step of the current epoch (rolling into the next epoch when this one is done)."""
-        return self._run(lambda: self._units("steps", 1))
+        return self._run(lambda: self._units("steps", 1), live=bool(self.live))  # no progress line for one step
 
     def train_steps(self, n: int) -> StepResult | Paused | None:
         """``n`` more steps, continuing where the last call stopped; returns the last StepResult."""
@@ -245,8 +245,11 @@ class TrainingLoop:
                 f"all {self.engine.final_epoch} epochs are trained; "
                 "call session.extend(num_epochs) or session.train(num_epochs) to train more"
             )
-        if live if live is not None else self.live:
+        want = live if live is not None else self.live
+        if want:
             self._show_dashboard()
+        elif want is None:
+            self._show_progress()
         self.status = "running"
 
     @contextlib.contextmanager
@@ -270,6 +273,7 @@ class TrainingLoop:
             raise
         except BaseException as exc:
             self.status = f"error: {type(exc).__name__}: {exc}".split("\n")[0]
+            self._end_progress(self.status)
             raise
 
     def _finish_run(self, result: Any) -> Any:
@@ -280,6 +284,7 @@ class TrainingLoop:
             self._guard.clear()
         if self.status == "running":
             self.status = "ready"
+        self._end_progress("finished" if self.status == "finished" else "done")
         return result
 
     def _paused(self) -> Paused:
@@ -287,8 +292,10 @@ class TrainingLoop:
         paused = Paused(p.epoch, p.step_in_epoch, self._guard.reason or "pause requested")
         self._guard.clear()
         self.status = "paused"
-        logger.warning("%s", paused)
+        # the call returns the note (the cell's result): on stderr too it would show twice, as an error
+        logger.info("%s", paused)
         self.events.emit("interrupt", status=paused)
+        self._end_progress(f"paused at epoch {paused.epoch}, step {paused.step}")
         return paused
 
     def pause(self) -> None:
