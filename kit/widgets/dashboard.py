@@ -176,6 +176,9 @@ class Dashboard:
             table = self.session.score_table
             for epoch in table.epochs:
                 self.timeline.add_scores(epoch, table.scores(epoch))
+            from kit.scores import split_score_key
+
+            self.timeline.error_names |= {split_score_key(k)[1] for k in table.error_keys}
 
     # ---- the widget -------------------------------------------------------------------
 
