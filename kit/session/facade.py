@@ -371,8 +371,10 @@ class Session(TrainingLoop, Debugging):
         try:
             from IPython.display import display
 
-            if self._live_dashboard is None:  # one live dashboard per session, not one per call
-                self._live_dashboard = self.dashboard()
+            # one per call: the one before stops following, so that its cell keeps its own run's last frame
+            if self._live_dashboard is not None:
+                self._live_dashboard.detach()
+            self._live_dashboard = self.dashboard()
             display(self._live_dashboard)
         except ImportError:
             pass

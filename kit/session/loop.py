@@ -30,6 +30,9 @@ class Paused:
     step: int
     reason: str
     paused: bool = True
+    goal: str = "train"  # what the paused call was doing: "train", "epoch" or "steps"
+    steps_left: int = 0  # with goal "steps": how many of its steps it had still to do
+    mode: str = "blocking"  # how it ran: "blocking" (train_*), "awaitable" (train_*_async) or "background"
 
     def __str__(self) -> str:
         return (
@@ -115,6 +118,7 @@ class TrainingLoop:
         self._guard.clear()
         self._prepare_run(live, allow_finished=goal == "train")
         self._background = {}
+        self._run_mode = "background"
 
         def target() -> None:
             try:
@@ -192,6 +196,7 @@ class TrainingLoop:
                 if goal == "steps" and steps >= n:
                     return last
             if self._guard.requested and not self._all_trained():
+                self._paused_goal = (goal, max(n - steps, 0))
                 return _PAUSED
             yield
 
@@ -211,6 +216,7 @@ class TrainingLoop:
         self._guard.clear()
         with self._guard.held():
             self._prepare_run(live, allow_finished)
+            self._run_mode = "blocking"
             return self._finish_run(self._drive_all(units))
 
     async def _run_async(
@@ -221,6 +227,7 @@ class TrainingLoop:
         self._guard.clear()
         with self._guard.held():
             self._prepare_run(live, allow_finished)
+            self._run_mode = "awaitable"
             gen = units()
             while True:
                 deadline = time.monotonic() + self.yield_every_secs
@@ -289,7 +296,9 @@ class TrainingLoop:
 
     def _paused(self) -> Paused:
         p = self.engine.progress
-        paused = Paused(p.epoch, p.step_in_epoch, self._guard.reason or "pause requested")
+        goal, left = getattr(self, "_paused_goal", ("train", 0))
+        paused = Paused(p.epoch, p.step_in_epoch, self._guard.reason or "pause requested", goal=goal,
+                        steps_left=left, mode=getattr(self, "_run_mode", "blocking"))
         self._guard.clear()
         self.status = "paused"
         # the call returns the note (the cell's result): on stderr too it would show twice, as an error

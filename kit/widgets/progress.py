@@ -12,6 +12,7 @@ or outside a kernel (see :func:`kit.widgets.dashboard.default_mode`).
 from __future__ import annotations
 
 import html
+import math
 import time
 from typing import Any
 
@@ -25,6 +26,26 @@ def format_seconds(secs: float) -> str:
 
 def format_losses(timeline: Timeline) -> str:
     return " ".join(f"{name} {value:.3g}" for name, value in timeline.latest_losses().items())
+
+
+def format_scores(scores: dict[str, float]) -> str:
+    keys = [k for k in scores if k != "learning_rate"] or list(scores)
+    return " · ".join(f"{k} {scores[k]:.3g}" for k in keys)
+
+
+def format_bytes(n: float) -> str:
+    if not math.isfinite(n):
+        return "?"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def memory_text(memory: dict[str, int]) -> str:
+    """CUDA allocated / reserved / step peak, or the process RSS."""
+    if "memory_allocated" in memory:
+        labels = [("memory_allocated", "allocated"), ("memory_reserved", "reserved"), ("memory_peak", "step peak")]
+        return "GPU memory: " + " · ".join(f"{label} {format_bytes(memory[key])}" for key, label in labels
+                                           if key in memory)
+    return f"memory: process RSS {format_bytes(memory['memory_rss'])}"
 
 
 def progress_text(timeline: Timeline, num_epochs: int, *, running: bool = True) -> str:
