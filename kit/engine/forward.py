@@ -115,8 +115,14 @@ def _batches(engine: Any, data: Any, seq_indices: list[int] | None) -> Iterator[
     from kit.data.pipeline import Pipeline
 
     # longest first: an OOM shows up at once, not after an hour; the user's dataset object is untouched
-    pipeline = Pipeline.from_config(data, engine.config, train=False, extern_data=_keys_of(engine.extern_data, data),
-                                    seq_ordering="sorted_reverse", seq_indices=seq_indices)
+    pipeline = Pipeline.from_config(
+        data,
+        engine.config,
+        train=False,
+        extern_data=_keys_of(engine.extern_data, data),
+        seq_ordering="sorted_reverse",
+        seq_indices=seq_indices,
+    )
     pipeline.set_epoch(max(1, engine.progress.epoch))
     try:
         yield from pipeline

@@ -29,7 +29,8 @@ def engine_with(step) -> Engine:
 
 def inputs_only(n: int = 5) -> tuple[Task12AXDataset, ArrayDataset]:
     labelled = Task12AXDataset(n, seed=3)
-    raw = ArrayDataset([{"data": labelled.get_seq(i)["data"]} for i in range(n)], seq_tags=[f"new-{i}" for i in range(n)])
+    seqs = [{"data": labelled.get_seq(i)["data"]} for i in range(n)]
+    raw = ArrayDataset(seqs, seq_tags=[f"new-{i}" for i in range(n)])
     return labelled, raw
 
 
@@ -39,7 +40,8 @@ def test_input_without_targets_gives_the_same_outputs_as_with_them():
     with_targets, without = engine.forward(labelled), engine.forward(raw)
     assert list(without) == [f"new-{i}" for i in range(len(raw))]
     for i in range(len(raw)):
-        np.testing.assert_array_equal(without[f"new-{i}"]["labels"], with_targets[labelled.get_seq_tag(i)]["labels"])
+        expected = with_targets[labelled.get_seq_tag(i)]["labels"]
+        np.testing.assert_array_equal(without[f"new-{i}"]["labels"], expected)
 
 
 def test_a_forward_step_that_reads_the_missing_key_names_it():
