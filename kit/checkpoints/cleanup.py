@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kit.checkpoints.files import Checkpoint, delete, list_checkpoints
-from kit.config_keys import CLEANUP_DEFAULTS, cleanup_problems
+from kit.config.keys import CLEANUP_DEFAULTS, cleanup_problems
 from kit.errors import ConfigError
 
 logger = logging.getLogger("kit")

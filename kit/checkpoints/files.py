@@ -1,4 +1,4 @@
-"""Checkpoint files on disk: naming, atomic save with a manifest, safe load, verify, latest, delete."""
+"""Checkpoint files on disk: atomic save with a manifest, safe load, verify, latest, delete (names: naming.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -18,6 +17,7 @@ import torch
 
 from kit import fileio
 from kit.checkpoints.manifest import read_manifest_file
+from kit.checkpoints.naming import checkpoint_file_pattern, checkpoint_paths
 from kit.checkpoints.safe_load import (  # noqa: F401 - public names of this module before the split
     CheckpointNotFoundError,
     NotSafetensorsError,
@@ -85,25 +85,6 @@ class Checkpoint:
         return f"{self.name} [epoch {self.epoch}, step {self.global_train_step}]{state}"
 
 
-def checkpoint_paths(
-    prefix: str, epoch: int, *, global_train_step: int | None = None, kind: str = "epoch"
-) -> tuple[str, str, str]:
-    """(model file, training-state file, manifest) for a checkpoint of ``prefix``."""
-    stem = f"{prefix}.{epoch:03d}"
-    if kind == "step":
-        stem += f".step{global_train_step:08d}"
-    elif kind != "epoch":
-        raise ValueError(f"checkpoint kind must be 'epoch' or 'step', got {kind!r}")
-    return stem + ".pt", stem + ".opt.pt", stem + ".manifest.json"
-
-
-def _name_pattern(prefix: str) -> re.Pattern[str]:
-    """File names of ``prefix``'s checkpoints: epoch and optional global step, then the file's kind."""
-    return re.compile(
-        re.escape(os.path.basename(prefix)) + r"\.(\d+)(?:\.step(\d+))?\.(?:pt|opt\.pt|manifest\.json)$"
-    )
-
-
 def list_checkpoints(prefix: str) -> list[Checkpoint]:
     """Every checkpoint of ``prefix`` with at least one file present, oldest first.
 
@@ -113,7 +94,7 @@ def list_checkpoints(prefix: str) -> list[Checkpoint]:
     directory = os.path.dirname(prefix) or "."
     if not os.path.isdir(directory):
         return []
-    pattern = _name_pattern(prefix)
+    pattern = checkpoint_file_pattern(prefix)
     found = set()
     for name in os.listdir(directory):
         m = pattern.match(name)
@@ -246,7 +227,7 @@ def save(
         prefix, epoch, global_train_step=global_train_step, kind=kind
     )
     directory = os.path.dirname(os.path.abspath(path))
-    pattern = _name_pattern(prefix)
+    pattern = checkpoint_file_pattern(prefix)
     for stale in fileio.remove_stale_temp_files(directory, lambda name: pattern.match(name) is not None):
         logger.info("Removed temp file of an interrupted write: %s", stale)
     if os.path.exists(manifest_path):
