@@ -5,7 +5,6 @@ Files get the mode ``open()`` would give them (0666 minus the umask), not ``mkst
 A temp file is named ``<target>.kit-tmp-<pid>-<random>``, so that a later cleanup removes only
 temp files of writers that are gone (never another live process's write in progress).
 A failed write (e.g. a full disk) names the file it was writing.
-Tests can slow writes down (``KIT_TEST_SLOW_WRITE_SECS``) to kill a process mid-save.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import contextlib
 import errno
 import os
 import secrets
-import time
 from collections.abc import Callable, Iterator
 from typing import IO
 
@@ -46,7 +44,6 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
-            _maybe_slow_down()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
@@ -83,12 +80,6 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_with(path: str | os.PathLike, write: Callable[[IO], None]) -> None:
-    """Atomically write ``path`` with ``write(fileobj)`` (e.g. ``lambda f: torch.save(obj, f)``)."""
-    with atomic_open(path, "wb") as f:
-        write(f)
 
 
 def remove_stale_temp_files(directory: str, owns: Callable[[str], bool]) -> list[str]:
@@ -132,9 +123,3 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def _maybe_slow_down() -> None:
-    secs = os.environ.get("KIT_TEST_SLOW_WRITE_SECS")
-    if secs:
-        time.sleep(float(secs))

@@ -10,9 +10,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import slow_writes
 from helpers.faults import (
     CODE_CARRYING_KINDS,
     FailAfterNBytes,
@@ -262,8 +264,9 @@ def test_kill_9_during_save(tmp_model_prefix):
     e1 = save(tmp_model_prefix, 1)
     before = digests(e1)
     env = {**os.environ, "KIT_TEST_SLOW_WRITE_SECS": "30"}
+    code = slow_writes.code(str(Path(__file__).resolve().parent)) + "\n" + _SLOW_SAVE
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_SAVE, str(tmp_model_prefix)], env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, str(tmp_model_prefix)], env=env, stdout=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout.readline().strip() == "saving"

@@ -91,10 +91,6 @@ class LearningRateControl:
         self._dynamic_checked = False
         self._warned_keys: set[str] = set()
 
-    @classmethod
-    def from_config(cls, config: Config, scores: ScoreTable) -> LearningRateControl:
-        return cls(config, scores)
-
     @property
     def needs_scores(self) -> bool:
         return self.kind != "constant"
