@@ -127,7 +127,7 @@ def _sorted(ckpts: list[Checkpoint]) -> list[Checkpoint]:
     def key(c: Checkpoint) -> tuple:
         if c.global_train_step is not None:
             return c.sort_key
-        before = [k.global_train_step for k in known if k.epoch <= c.epoch]
+        before = [k.global_train_step for k in known if k.epoch <= c.epoch and k.global_train_step is not None]
         return (max(before, default=-1), c.epoch, _KINDS.index(c.kind))
 
     return sorted(ckpts, key=key)
@@ -182,7 +182,7 @@ def _write_torch_file(path: str, obj: Any) -> dict:
     ):
         writer = _HashingWriter(f, pool)
         try:
-            torch.save(obj, writer)
+            torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like writer is all torch.save needs
         except BaseException:
             # torch's zip writer replaces a failed write (e.g. ENOSPC) by an opaque "unexpected pos"
             if writer.error is not None:
@@ -234,7 +234,7 @@ def save(
         # Overwriting: un-complete the old one first, so that no manifest ever describes mixed files.
         os.unlink(manifest_path)
         fileio.fsync_dir(directory)
-    files = {
+    files: dict[str, dict | None] = {
         "model": _write_torch_file(
             path,
             {

@@ -102,7 +102,9 @@ class Engine:
 
             check_optimizer(self.config)
         if self.model_prefix and start_.is_training(self) and (not self.dist or self.dist.is_main):
-            self.prefix_lock = start_.lock_prefix(self.model_prefix)  # 'model' writable and ours, before any step
+            from kit.checkpoints.lock import PrefixLock
+
+            self.prefix_lock = PrefixLock.acquire(self.model_prefix)  # 'model' writable and ours, before any step
         self.datasets = parts.build_datasets(self.config)
         self._attach_config_views()
         self.extern_data = parts.build_extern_data(self.config)
