@@ -34,11 +34,12 @@ _LAZY = {
     "StepResult": "kit.engine.engine",
     "ForwardResult": "kit.engine.forward",
     "Session": "kit.session",
-    "Paused": "kit.session_loop",
+    "Paused": "kit.session",
     "DebugContext": "kit.debug",
 }
 _SUBMODULES = {"data", "engine", "checkpoints", "scores", "run_ctx", "debug", "widgets", "events",
-               "distributed", "cli", "config", "rng", "fileio"}
+               "distributed", "cli", "config", "rng", "fileio", "session"}
+_MOVED = {"distributed": "kit.engine.distributed"}  # kit.distributed: the torchrun context, now under the engine
 
 __all__ = [
     "CheckpointError", "Config", "ConfigError", "CorruptCheckpointError", "DataError", "KitError",
@@ -52,7 +53,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name in _SUBMODULES:
-        return importlib.import_module(f"kit.{name}")
+        return importlib.import_module(_MOVED.get(name, f"kit.{name}"))
     raise AttributeError(f"module 'kit' has no attribute {name!r}")
 
 

@@ -91,7 +91,7 @@ def cmd_scores(args: argparse.Namespace) -> int:
 
     path = args.config
     if path.endswith(".py"):
-        from kit.engine.resume import score_file_path
+        from kit.engine.parts import score_file_path
 
         path = score_file_path(_config(args))
     table = ScoreTable.load(path)

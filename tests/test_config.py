@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import kit
-from kit.config_keys import KEYS
+from kit.config.keys import KEYS
 
 
 def write_config(tmp_path: Path, text: str, name: str = "config.py") -> Path:

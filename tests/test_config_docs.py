@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kit import _config_docs
-from kit.config_keys import KEYS, config_reference_markdown
+from kit.config.keys import KEYS, config_reference_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "config.md"

@@ -491,7 +491,7 @@ def test_break_on_when_stops_at_every_match():
 def test_a_hook_that_uses_randomness_does_not_change_training(kept, monkeypatch):
     reference = uninterrupted_params(num_epochs=2)
     if not kept:  # negative control: without putting the RNG states back, the run changes
-        monkeypatch.setattr(kit.debug, "rng_kept", contextlib.nullcontext)
+        monkeypatch.setattr(kit.debug.context, "rng_kept", contextlib.nullcontext)
 
     def noisy_hook(ctx):
         torch.rand(3), np.random.rand(), random.random()

@@ -1,4 +1,4 @@
-"""Training on several processes (kit/distributed.py).
+"""Training on several processes (kit/engine/distributed.py).
 
 Two CPU ranks (gloo) run under ``torchrun --standalone`` (it picks a free port itself) on
 tests/helpers/ddp_config.py; each rank dumps its weights, the batches it trained on, the
@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from helpers.models import tiny_config
 
-from kit import distributed
 from kit.checkpoints import list_checkpoints
 from kit.config import Config
 from kit.data import Task12AXDataset, batches
+from kit.engine import distributed
 from kit.engine.engine import Engine
 from kit.errors import ConfigError
 from kit.scores import ScoreTable

@@ -1,4 +1,5 @@
-"""``examples/12ax.py`` through the command line, shortened: one epoch on 800 sequences.
+"""The 12AX example config (``kit.examples.path("12ax")``; ``examples/12ax.py`` in a clone) through
+the command line, shortened: one epoch on 800 sequences.
 
 The full run (``python -m kit train examples/12ax.py``: 5 epochs on 1000 sequences) reaches
 a dev frame error far below RETURNN's 0.02 bar; this shortened one must already beat the
@@ -16,10 +17,11 @@ from pathlib import Path
 import numpy as np
 
 import kit
+import kit.examples
 from kit.data import Task12AXDataset
 
 ROOT = Path(kit.__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "12ax.py"
+EXAMPLE = Path(kit.examples.path("12ax"))
 
 
 def majority_frame_error(ds: Task12AXDataset) -> float:

@@ -27,7 +27,7 @@ from helpers.training_script import (
 import kit
 import kit.data.pipeline
 import kit.data.workers
-import kit.engine.resume
+import kit.engine.state
 from kit import checkpoints
 from kit.engine.engine import Engine
 from kit.engine.updater import Updater
@@ -197,12 +197,12 @@ def _without_grads(real):
 def test_mid_epoch_control_differs_without_one_ingredient(step5_run, reference, monkeypatch, ingredient):
     overrides = {}
     if ingredient == "rng":
-        monkeypatch.setattr(kit.engine.resume, "set_rng_state", lambda state: None)
+        monkeypatch.setattr(kit.engine.state, "set_rng_state", lambda state: None)
     elif ingredient == "data_position":
         monkeypatch.setattr(kit.data.pipeline.Pipeline, "load_state_dict", lambda self, state: None)
     elif ingredient == "open_window_grads":
         monkeypatch.setattr(
-            kit.engine.resume, "load_train_state", _without_grads(kit.engine.resume.load_train_state)
+            kit.engine.state, "load_train_state", _without_grads(kit.engine.state.load_train_state)
         )
     else:  # the DataLoader draws its workers' base seed from the global torch RNG again
         real_init = kit.data.workers.WorkerPool.__init__
@@ -248,7 +248,7 @@ def test_session_save_control_differs_without_rng_restore(tmp_path, reference, m
     with kit.Session(cfg) as first:
         first.train_steps(STEPS_PER_EPOCH + 7)
         first.save()
-    monkeypatch.setattr(kit.engine.resume, "set_rng_state", lambda state: None)
+    monkeypatch.setattr(kit.engine.state, "set_rng_state", lambda state: None)
     with kit.Session(cfg) as second:
         second.train_steps(3)
         ce = list(second.history["ce"])

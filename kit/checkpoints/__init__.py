@@ -29,7 +29,6 @@ from kit.checkpoints.files import (
     Checkpoint,
     CheckpointNotFoundError,
     NotSafetensorsError,
-    checkpoint_paths,
     delete,
     export_safetensors,
     latest,
@@ -40,12 +39,14 @@ from kit.checkpoints.files import (
     save,
     verify,
 )
+from kit.checkpoints.naming import ModelFileName, checkpoint_paths, parse_model_path
 from kit.checkpoints.restore import apply_load_model_post_hooks, load_into_model, preload_from_files
 
 __all__ = [
     "MANIFEST_FORMAT",
     "Checkpoint",
     "CheckpointNotFoundError",
+    "ModelFileName",
     "NotSafetensorsError",
     "apply_load_model_post_hooks",
     "checkpoint_paths",
@@ -58,6 +59,7 @@ __all__ = [
     "load_checkpoint",
     "load_into_model",
     "load_latest",
+    "parse_model_path",
     "preload_from_files",
     "save",
     "verify",

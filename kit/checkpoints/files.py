@@ -1,4 +1,4 @@
-"""Checkpoint files on disk: naming, atomic save with a manifest, safe load, verify, latest, delete."""
+"""Checkpoint files on disk: atomic save with a manifest, safe load, verify, latest, delete (names: naming.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import IO, Any
 import torch
 
 from kit import fileio
+from kit.checkpoints.naming import checkpoint_file_pattern, checkpoint_paths
 from kit.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
 logger = logging.getLogger("kit")
@@ -87,26 +88,12 @@ class Checkpoint:
         return f"{self.name} [epoch {self.epoch}, step {self.global_train_step}]{state}"
 
 
-def checkpoint_paths(
-    prefix: str, epoch: int, *, global_train_step: int | None = None, kind: str = "epoch"
-) -> tuple[str, str, str]:
-    """(model file, training-state file, manifest) for a checkpoint of ``prefix``."""
-    stem = f"{prefix}.{epoch:03d}"
-    if kind == "step":
-        stem += f".step{global_train_step:08d}"
-    elif kind != "epoch":
-        raise ValueError(f"checkpoint kind must be 'epoch' or 'step', got {kind!r}")
-    return stem + ".pt", stem + ".opt.pt", stem + ".manifest.json"
-
-
 def list_checkpoints(prefix: str) -> list[Checkpoint]:
     """Every checkpoint of ``prefix`` with at least one file present, oldest first."""
     directory = os.path.dirname(prefix) or "."
     if not os.path.isdir(directory):
         return []
-    pattern = re.compile(
-        re.escape(os.path.basename(prefix)) + r"\.(\d+)(?:\.step(\d+))?\.(?:pt|opt\.pt|manifest\.json)$"
-    )
+    pattern = checkpoint_file_pattern(prefix)
     found = set()
     for name in os.listdir(directory):
         m = pattern.match(name)

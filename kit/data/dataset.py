@@ -7,8 +7,8 @@ time-major (``[T, ...]``) for keys with a time axis; 0-dim arrays (scalars) are 
 >>> len(ds), ds.get_seq_length(0), ds.get_seq_tag(0)
 (1, {'data': 5, 'classes': 5}, 'seq-0')
 
-The per-epoch order (``seq_ordering``, ``partition_epoch``, ``random_seed``) are the
-dataset's own options, as in RETURNN; see :mod:`kit.data.ordering`.
+The per-epoch order (``seq_ordering``, ``partition_epoch``, ``fixed_random_seed``,
+``random_seed_offset``) are the dataset's own options, as in RETURNN; see :mod:`kit.data.ordering`.
 """
 
 from __future__ import annotations
@@ -66,21 +66,26 @@ class Dataset:
     for every sequence once).
 
     Args:
-        seq_ordering: RETURNN's ``seq_ordering`` ("default", "random", "laplace:.100", ...).
+        seq_ordering: RETURNN's ``seq_ordering`` ("default", "random", "laplace:.100", ...), or a
+            callable ``f(epoch=...) -> str``.
         partition_epoch: split one pass over the data into this many sub-epochs.
-        random_seed: seed of the random orders; None uses the pipeline's (config ``random_seed``).
+        fixed_random_seed: RETURNN's: the seed of the random orders in every epoch.
+        random_seed_offset: RETURNN's: added to the per-epoch seed (default 0).
+        random_seed: kit's older name of ``random_seed_offset``.
         name: shown in error messages.
     """
 
     def __init__(
         self,
         *,
-        seq_ordering: str = "default",
+        seq_ordering: Any = "default",
         partition_epoch: int = 1,
         random_seed: int | None = None,
         name: str | None = None,
+        fixed_random_seed: int | None = None,
+        random_seed_offset: int | None = None,
     ):
-        ordering.parse(seq_ordering)  # fail at construction, not at the first epoch
+        ordering.check(seq_ordering)  # fail at construction, not at the first epoch
         if not isinstance(partition_epoch, int) or isinstance(partition_epoch, bool) or partition_epoch < 1:
             raise ConfigError(
                 f"{type(self).__name__}: partition_epoch must be an int >= 1, got {partition_epoch!r}"
@@ -88,6 +93,8 @@ class Dataset:
         self.seq_ordering = seq_ordering
         self.partition_epoch = partition_epoch
         self.random_seed = random_seed
+        self.fixed_random_seed = fixed_random_seed
+        self.random_seed_offset = random_seed_offset if random_seed_offset is not None else random_seed
         self.name = name or type(self).__name__
         self._tag_index: dict[str, int] | None = None
         self._lengths_cache: dict[str, np.ndarray] | None = None
@@ -147,26 +154,38 @@ class Dataset:
             }
         return self._lengths_cache
 
-    def get_seq_order(
-        self, epoch: int, *, seq_ordering: str | None = None, random_seed: int | None = None
-    ) -> list[int]:
-        """Dataset indices of sub-epoch ``epoch`` (1-based), a deterministic function of (epoch, seed).
+    def sort_lengths(self) -> np.ndarray:
+        """Per-sequence lengths that ``sorted`` / ``laplace`` orders sort by (RETURNN's choice per class)."""
+        return ordering_lengths(self.seq_lengths())
 
-        ``seq_ordering`` overrides the dataset's own for this call; ``random_seed`` is used
-        when the dataset has none of its own (the dataset's option is the more specific one).
+    def init_epoch(self, epoch: int) -> bool:
+        """Prepare (sub-)epoch ``epoch`` before its order is asked for.
+
+        Datasets whose sequences change from epoch to epoch (RETURNN's generated data without
+        ``fixed_random_seed``, files per sub-epoch, adapted RETURNN datasets) load them here
+        and return True: their lengths and tags are then read anew, and worker processes get
+        the new state. The default has fixed sequences and returns False.
         """
-        seed = (
-            self.random_seed
-            if self.random_seed is not None
-            else (random_seed if random_seed is not None else 0)
-        )
+        return False
+
+    def get_seq_order(
+        self, epoch: int, *, seq_ordering: Any = None, random_seed: int | None = None
+    ) -> list[int]:
+        """Dataset indices of sub-epoch ``epoch`` (1-based): RETURNN's order for this dataset and epoch.
+
+        ``seq_ordering`` overrides the dataset's own for this call. ``random_seed`` (the
+        config's) is accepted for the pipeline's call but does not change the order: as in
+        RETURNN, the order depends on the epoch, ``fixed_random_seed`` and ``random_seed_offset``.
+        """
+        del random_seed
         return ordering.seq_order(
             seq_ordering or self.seq_ordering,
             num_seqs=self.num_seqs,
             epoch=epoch,
-            seq_len=lambda: ordering_lengths(self.seq_lengths()),
-            random_seed=seed,
+            seq_len=self.sort_lengths,
+            random_seed=self.random_seed_offset or 0,
             partition_epoch=self.partition_epoch,
+            fixed_random_seed=self.fixed_random_seed,
         )
 
 

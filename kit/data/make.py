@@ -9,13 +9,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from kit.data.dataset import ArrayDataset, Dataset, GeneratorDataset, TorchDataset
+from kit.data.hdf import HDFDataset
+from kit.data.meta import ConcatDataset, MetaDataset, StaticDataset
 from kit.data.text import CharTextDataset
 from kit.data.toy import Task12AXDataset
 from kit.errors import ConfigError, DataError
 
 BUILTINS: dict[str, type] = {
     cls.__name__: cls
-    for cls in (ArrayDataset, GeneratorDataset, TorchDataset, Task12AXDataset, CharTextDataset)
+    for cls in (
+        ArrayDataset,
+        GeneratorDataset,
+        TorchDataset,
+        Task12AXDataset,
+        CharTextDataset,
+        HDFDataset,
+        StaticDataset,
+        ConcatDataset,
+        MetaDataset,
+    )
 }
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from kit.config import Config
-from kit.config_keys import KEYS
+from kit.config.keys import KEYS
 from kit.data import batching, ordering
 from kit.data.batch import Batch
 from kit.data.collate import BatchLoader

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from kit import distributed
 from kit.config import Config
-from kit.engine import amp, resume
+from kit.engine import amp, distributed, parts, state
+from kit.engine import start as start_
 from kit.engine.accounting import EpochAccounting, stack_losses
 from kit.engine.device import select_device
 from kit.engine.evaluation import evaluate_dataset
@@ -74,6 +74,7 @@ class Engine:
         self.last_batch: Any = None
         self._options: tuple[int, StepOptions] | None = None
         self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
+        self.views: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
         self.guard = NonFiniteGuard(self)
 
     # ---- set-up -----------------------------------------------------------------------
@@ -95,26 +96,35 @@ class Engine:
         if self.dist:  # one process per device (cuda:LOCAL_RANK)
             self.device, reason = self.dist.device, f"{reason}; {self.dist}"
         logger.info("device: %s (%s)", self.device, reason)
-        self.datasets = resume.build_datasets(self.config)
-        self.extern_data = resume.build_extern_data(self.config)
-        self.scores = resume.open_score_table(self.config)
+        self.datasets = parts.build_datasets(self.config)
+        self._attach_config_views()
+        self.extern_data = parts.build_extern_data(self.config)
+        self.scores = parts.open_score_table(self.config)
         if self.dist and not self.dist.is_main:  # rank 0 alone writes the score file
             self.scores.path = None
-        start = resume.find_start(self.config, self.scores, training=resume.is_training(self))
+        start = start_.find_start(self.config, self.scores, training=start_.is_training(self))
         self.progress.epoch = start.epoch
         self.progress.global_train_step = start.global_train_step
         self.model = self._create_model(start.epoch, start.global_train_step)
-        resume.init_weights(self, start)
+        start_.init_weights(self, start)
         self.grad_scaler = amp.make_grad_scaler(self.config, self.device)
         self.amp_dtype = amp.amp_dtype(self.config)
         self.is_set_up = True
         if start.train_state is not None:
             self._ensure_training_parts()
-            resume.load_train_state(self, start.train_state)
+            state.load_train_state(self, start.train_state)
         if start.needs_eval:
             self._ensure_training_parts()
             self._record_eval(start.epoch - 1, self.eval_model())
             self._save_scores()
+
+    def _attach_config_views(self) -> None:
+        """Views that a config key turns on, for the CLI and a Session alike (rank 0 only)."""
+        if self.config.bool("use_tensorboard") and start_.is_training(self) and (not self.dist or self.dist.is_main):
+            from kit.tensorboard import TensorBoardLogger
+
+            self.views.append(TensorBoardLogger.from_config(self.config, self.events,
+                                                            lambda: self.progress.global_train_step))
 
     def _create_model(self, epoch: int, step: int) -> torch.nn.Module:
         get_model = self.config.typed_value("get_model")
@@ -157,8 +167,12 @@ class Engine:
             self._options = (self.config.version, StepOptions.read(self.config))
         return self._options[1]
 
-    def train_step(self) -> StepResult | None:
-        """Train on the next micro-batch of the current epoch; None once the epoch's data is used up."""
+    def train_step(self, *, probe_lr: float | None = None) -> StepResult | None:
+        """Train on the next micro-batch of the current epoch; None once the epoch's data is used up.
+
+        ``probe_lr``: a probe step (the LR finder) with this learning rate instead of the schedule's,
+        without the step's log line and step checkpoint.
+        """
         self._ensure_training_parts()
         p = self.progress
         if not p.epoch_running:
@@ -181,7 +195,7 @@ class Engine:
         if p.accum_count == 0:
             self.updater.optimizer.zero_grad(set_to_none=True)
         opts = self.step_options
-        lr = self._set_step_learning_rate(batch, opts)
+        lr = self._set_step_learning_rate(batch, opts) if probe_lr is None else self._set_probe_lr(probe_lr)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
@@ -210,6 +224,8 @@ class Engine:
         p.global_train_step += 1
         self.guard.end_step()
         self.events.emit("step_end", result=result)
+        if probe_lr is not None:
+            return result
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
             self.guard.check()  # the log line reads the losses anyway
             self._log_step(result)
@@ -278,6 +294,11 @@ class Engine:
             self._step_lr = lr
         return lr
 
+    def _set_probe_lr(self, lr: float) -> float:
+        self.updater.set_learning_rate(lr)
+        self._step_lr = lr  # the next scheduled step sets its own again
+        return lr
+
     @staticmethod
     def _log_step(result: StepResult) -> None:
         from kit.scores import format_step_line
@@ -336,7 +357,7 @@ class Engine:
         if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
             self.save_checkpoint(kind="epoch", epoch=epoch)
             if not self.dist or self.dist.is_main:
-                resume.cleanup(self)
+                state.cleanup(self)
         row = self.epoch_scores(epoch)
         logger.info("finished epoch %d: %s", epoch, _format_scores(self.scores.scores(epoch)))
         self.events.emit("epoch_end", epoch=epoch, scores=row)
@@ -395,7 +416,7 @@ class Engine:
     # ---- eval -------------------------------------------------------------------------
 
     def eval_datasets(self) -> dict[str, Any]:
-        return resume.eval_datasets(self.datasets)
+        return parts.eval_datasets(self.datasets)
 
     def eval_model(self, datasets: Mapping[str, Any] | None = None) -> dict[str, dict[str, float]]:
         """Scores per eval dataset: ``train_step`` under no_grad with ``train_flag=False``.
@@ -435,10 +456,10 @@ class Engine:
         """Write a checkpoint of the whole training state now (epoch or mid-epoch step)."""
         self.guard.check()  # never a checkpoint of a state the guard would rewind
         if self.dist:  # rank 0 writes (mid-epoch with the loss sums of all ranks so far); the others wait
-            ckpt = self.dist.save_on_main(lambda: resume.save(self, kind=kind, epoch=epoch),
+            ckpt = self.dist.save_on_main(lambda: state.save(self, kind=kind, epoch=epoch),
                                           self.accounting if self.progress.epoch_running else None)
         else:
-            ckpt = resume.save(self, kind=kind, epoch=epoch)
+            ckpt = state.save(self, kind=kind, epoch=epoch)
         self.last_checkpoint = ckpt
         self.events.emit("checkpoint_saved", checkpoint=ckpt)
         return ckpt
@@ -449,13 +470,13 @@ class Engine:
         from kit import checkpoints
 
         self._ensure_training_parts()
-        model_file, state = loaded or checkpoints.load_checkpoint(ckpt)
-        if state is None:
+        model_file, saved = loaded or checkpoints.load_checkpoint(ckpt)
+        if saved is None:
             raise KitError(f"checkpoint {ckpt.path} has no training state to restore; use load() to inspect it")
         checkpoints.load_into_model(self.model, model_file["model"])
         self.guard.reset()
         self.accounting = EpochAccounting()
-        resume.load_train_state(self, state)
+        state.load_train_state(self, saved)
         p = self.progress
         self.scores.remove_epochs_after(p.epoch - 1)
         if p.epoch_running:
@@ -476,6 +497,9 @@ class Engine:
                 pipe.close()
         self.train_pipeline = None
         self._eval_pipelines.clear()
+        for view in self.views:
+            view.close()
+        self.views.clear()
         self.model = self.updater = self.grad_scaler = None
         if self.dist:  # destroys the process group it created
             self.dist.close()

@@ -37,7 +37,7 @@ def _score_keys(columns: list[str]) -> list[str]:
 
 
 class CheckpointWidget:
-    """The checkpoint table of a :class:`kit.checkpoint_browser.CheckpointBrowser` as a widget."""
+    """The checkpoint table of a :class:`kit.session.checkpoint_browser.CheckpointBrowser` as a widget."""
 
     def __init__(self, browser: Any, *, mode: str | None = None):
         self.browser = browser

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kit.engine.accounting import read_normalized
-from kit.history import process_memory_bytes
+from kit.session.history import process_memory_bytes
 
 _HISTORY_KEYS = {"global_train_step", "epoch", "step", "learning_rate", "seconds", "num_seqs"}
 

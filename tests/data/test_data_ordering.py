@@ -96,20 +96,50 @@ def test_random_orders_deterministic_and_differ_between_epochs(method):
     assert other_seed.get_seq_order(1) != a.get_seq_order(1)
 
 
-def test_random_k_is_an_extra_seed():
-    ds = make_ds(random_seed=1)
-    assert ds.get_seq_order(1, seq_ordering="random:1") != ds.get_seq_order(1, seq_ordering="random:2")
-    assert ds.get_seq_order(1, seq_ordering="random:0") == ds.get_seq_order(1, seq_ordering="random")
+def test_random_n_keeps_the_shuffle_for_n_epochs():
+    """RETURNN's "random:n": the same shuffle for n consecutive epochs, then a new one."""
+    ds = make_ds()
+    orders = [ds.get_seq_order(e, seq_ordering="random:2") for e in (1, 2, 3, 4, 5)]
+    assert orders[0] == orders[1] != orders[2] == orders[3] != orders[4]
+    assert ds.get_seq_order(1, seq_ordering="random:1") == ds.get_seq_order(1, seq_ordering="random")
 
 
-def test_dataset_seed_wins_over_pipeline_seed():
-    ds = make_ds(seq_ordering="random", random_seed=9)
-    assert ds.get_seq_order(1, random_seed=1) == ds.get_seq_order(1, random_seed=2)
+def test_config_seed_leaves_the_order_and_dataset_seeds_change_it():
+    """As in RETURNN: the order depends on epoch, fixed_random_seed and random_seed_offset only."""
     free = make_ds(seq_ordering="random")
-    assert free.get_seq_order(1, random_seed=1) != free.get_seq_order(1, random_seed=2)
+    assert free.get_seq_order(1, random_seed=1) == free.get_seq_order(1, random_seed=2)
+    offset = make_ds(seq_ordering="random", random_seed_offset=9)
+    assert offset.get_seq_order(1) != free.get_seq_order(1)
+    assert make_ds(seq_ordering="random", random_seed=9).get_seq_order(1) == offset.get_seq_order(1)
+    fixed = make_ds(seq_ordering="random", fixed_random_seed=3)
+    assert fixed.get_seq_order(1) == fixed.get_seq_order(2) != free.get_seq_order(1)
 
 
-@pytest.mark.parametrize("bad", ["laplace", "shuffle", "random:x", "sorted:3", "laplace:.0", ""])
+def test_random_sample_draws_with_replacement_deterministically():
+    ds = make_ds(seq_ordering="random_sample")
+    order = ds.get_seq_order(1)
+    assert len(order) == ds.num_seqs and len(set(order)) < ds.num_seqs
+    assert order == ds.get_seq_order(1) != ds.get_seq_order(2)
+
+
+def test_default_every_n_interleaves_streams():
+    ds = make_ds(n=10)
+    assert ds.get_seq_order(1, seq_ordering="default_every_n:3") == [0, 3, 6, 1, 4, 7, 2, 5, 8]
+
+
+def test_callable_seq_ordering_is_called_with_the_epoch():
+    ds = make_ds(seq_ordering=lambda epoch, **_: "default" if epoch == 1 else "reverse")
+    assert ds.get_seq_order(1) == list(range(103))
+    assert ds.get_seq_order(2) == list(range(102, -1, -1))
+
+
+def test_small_laplace_has_two_bins_as_in_returnn():
+    ds = make_ds(n=15)
+    lens = lens_of(ds, ds.get_seq_order(1, seq_ordering="laplace:.10"))
+    assert lens[:7] == sorted(lens[:7]) and lens[7:] == sorted(lens[7:], reverse=True)
+
+
+@pytest.mark.parametrize("bad", ["shuffle", "random:x", "sorted:3", "laplace:.0", "random:.3", "default_every_n", ""])
 def test_bad_orderings_raise_config_error(bad):
     with pytest.raises(ConfigError, match="seq_ordering"):
         parse(bad)

@@ -16,7 +16,7 @@ from session_testlib import score_part, state, states_equal
 
 import kit
 from kit.data import Task12AXDataset, batches
-from kit.engine import resume
+from kit.engine import state as engine_state
 
 
 def train_with_a_step_checkpoint(prefix: str) -> kit.Session:
@@ -102,7 +102,7 @@ def test_would_remove_previews_cleanup_old_models(trained):
     best = int(s.scores.loc[[1, 2, 3], "dev_loss_ce"].idxmin())
     expected = {f"model.{e:03d}" for e in (1, 2) if e != best} | {"model.003.step00000041"}
     assert set(t[t.would_remove]["name"]) == expected
-    removed = resume.cleanup(s.engine)  # what the epoch end would do
+    removed = engine_state.cleanup(s.engine)  # what the epoch end would do
     assert {c.name for c in removed} == expected
     assert {c.name for c in s.checkpoints.list()} == set(t[~t.would_remove]["name"])
 
@@ -154,7 +154,7 @@ def test_continuing_from_a_restore_equals_the_original_continuation(tmp_path, re
 def test_negative_controls_without_rng_or_data_position_the_continuation_differs(trained, reference):
     s, _ = trained
     s.checkpoints.restore("step:41")
-    s._rng = None  # forget the restored RNG world: the caller's global state is used instead
+    s.world.rng = None  # forget the restored RNG world: the caller's global state is used instead
     torch.manual_seed(1234)
     s.train()
     assert not states_equal(state(s.model), reference["state"])

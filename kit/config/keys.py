@@ -200,6 +200,12 @@ def dataset_spec(v: Any) -> str | None:
     return None  # checked when the dataset is built (kit.data.make_dataset), with its own message
 
 
+def _tensorboard_opts(v: Any) -> str | None:
+    from kit.tensorboard import check_options
+
+    return check_options(v)
+
+
 def _k(section: str, name: str, type_: str, default: Any, doc: str, check: Check | None = None) -> Key:
     return Key(name=name, type=type_, default=default, doc=doc, check=check, section=section)
 
@@ -246,6 +252,8 @@ _KEYS: list[Key] = [
     _k("training", "device", "str", None, "None: cuda, then mps, then cpu; 'gpu' requires a GPU; PT_DEVICE env var overrides", device_spec),
     _k("training", "torch_distributed", "dict", None, "under torchrun: {'reduce_type': 'grad' (DDP) or 'param' (averaging), 'param_sync_step', 'options' (DDP kwargs), 'backend'}"),
     _k("training", "forward_auto_split_batch_on_oom", "bool", True, "split a forward batch in halves on CUDA OOM", boolean),
+    _k("training", "use_tensorboard", "bool", False, "write TensorBoard event files (train losses and learning rate per step, every eval score per epoch); needs the tensorboard package", boolean),
+    _k("training", "tensorboard_opts", "dict", None, "{'log_every_n_train_steps': 100, 'log_dir': ..}; log_dir defaults to {model}.tensorboard beside the checkpoints (without 'model': SummaryWriter's ./runs/...)", _tensorboard_opts),
     _k("training", "debug_hook", "callable", None, "callable(DebugContext) called on debug events (replaces debug_shell_before_train_loop)", optional_callable),
     # optimizer and learning rate
     _k("optimizer", "optimizer", "dict | class | callable", None, "{'class': 'adamw' | dotted path | type, **kwargs} (no 'lr': use learning_rate)", optimizer_spec),
@@ -302,7 +310,7 @@ def config_reference_markdown() -> str:
     lines = [
         "# Config keys",
         "",
-        "Generated from `kit/config_keys.py` by `python -m kit._config_docs`; do not edit by hand.",
+        "Generated from `kit/config/keys.py` by `python -m kit.config.docs`; do not edit by hand.",
         "",
     ]
     sections: dict[str, list[Key]] = {}

@@ -22,16 +22,16 @@ from typing import Any
 
 import torch
 
-from kit import rng
-from kit._ipython_refs import drop_stored_references
 from kit.config import Config
 from kit.engine.engine import Engine, StepResult
 from kit.errors import ConfigError, KitError, SessionStateError
 from kit.events import Events
-from kit.history import History
-from kit.interrupts import InterruptGuard
-from kit.session_debug import Debugging
-from kit.session_loop import Paused, TrainingLoop
+from kit.session.breakpoints import Debugging
+from kit.session.history import History
+from kit.session.interrupts import InterruptGuard
+from kit.session.ipython_refs import drop_stored_references
+from kit.session.loop import Paused, TrainingLoop
+from kit.session.world import World
 
 __all__ = ["Paused", "Session"]
 
@@ -78,8 +78,7 @@ class Session(TrainingLoop, Debugging):
         self._break_step: int | None = None
         self._break_when: Callable[[StepResult], bool] | None = None
         self._guard = InterruptGuard()
-        self._rng: tuple | None = None  # this session's RNG world, swapped in around its work
-        self._defaults: tuple[torch.dtype, torch.device] | None = None  # its torch default dtype and device
+        self.world = World()  # this session's RNG states and torch defaults, swapped in around its work
         self._inspecting: str | None = None  # set by checkpoints.load(): weights are not the training state
         self._stashed_state: dict | None = None
         self._mid_step: str | None = None
@@ -99,24 +98,11 @@ class Session(TrainingLoop, Debugging):
 
     @contextlib.contextmanager
     def _world(self) -> Iterator[None]:
-        """Swap this session's RNG states and torch defaults (dtype, device) in, the caller's back afterwards.
-
-        A session starts from the caller's state at its first use; from then on user code of
-        one session (``torch.set_default_dtype`` in ``get_model``, say) never reaches another.
-        """
+        """This session's RNG states and torch defaults in, the caller's back afterwards (see :mod:`kit.session.world`)."""
         if self._closed:
             raise SessionStateError("this session is closed; create a new one")
-        outer, outer_defaults = rng.snapshot(), _torch_defaults()
-        if self._rng is not None:
-            rng.restore(self._rng)
-        if self._defaults is not None:
-            _set_torch_defaults(self._defaults, outer_defaults)
-        try:
+        with self.world.entered():
             yield
-        finally:
-            self._rng, self._defaults = rng.snapshot(), _torch_defaults()
-            rng.restore(outer)
-            _set_torch_defaults(outer_defaults, self._defaults)
 
     def _setup(self) -> None:
         with self._world():
@@ -187,7 +173,7 @@ class Session(TrainingLoop, Debugging):
     @property
     def checkpoints(self) -> Any:
         """Browser over the checkpoint files: .table, .load, .restore, .compare, .widget()."""
-        from kit.checkpoint_browser import CheckpointBrowser
+        from kit.session.checkpoint_browser import CheckpointBrowser
 
         return CheckpointBrowser(self)
 
@@ -216,6 +202,25 @@ class Session(TrainingLoop, Debugging):
         self._inspecting = None
         self._stashed_state = None
         self._mid_step = None
+
+    # ---- tools --------------------------------------------------------------------------
+
+    def lr_find(self, start_lr: float = 1e-7, end_lr: float = 10.0, num_steps: int = 100, **options: Any) -> Any:
+        """An exponential LR sweep on the next training batches → DataFrame (lr, loss, smoothed_loss)
+        with ``.suggestion`` and ``.plot()``; afterwards the session is bitwise as it was.
+
+        Works at any step boundary (mid-epoch too); refuses while training runs in the background.
+        ``options``: ``smoothing``, ``diverge_factor``, ``loss`` (see :func:`kit.lr_finder.lr_find`).
+        """
+        if self.is_training:
+            raise SessionStateError("lr_find: the session is training (in the background); "
+                                    "call session.pause() and session.wait() first")
+        self._check_can_train()
+        from kit.lr_finder import lr_find
+
+        self._training_parts()
+        with self._world():
+            return lr_find(self.engine, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps, **options)
 
     # ---- eval and forward ---------------------------------------------------------------
 
@@ -377,19 +382,6 @@ class Session(TrainingLoop, Debugging):
         from kit.widgets.summary import session_html
 
         return session_html(self)
-
-
-def _torch_defaults() -> tuple[torch.dtype, torch.device]:
-    return torch.get_default_dtype(), torch.get_default_device()
-
-
-def _set_torch_defaults(wanted: tuple[torch.dtype, torch.device], now: tuple[torch.dtype, torch.device]) -> None:
-    """Change only what differs: a default device is a global torch function mode (a cost on every op),
-    so "cpu" is set as no default device at all."""
-    if wanted[0] != now[0]:
-        torch.set_default_dtype(wanted[0])
-    if wanted[1] != now[1]:
-        torch.set_default_device(None if wanted[1] == torch.device("cpu") else wanted[1])
 
 
 class UnknownSeqTagError(KitError, KeyError):

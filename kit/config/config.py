@@ -17,7 +17,7 @@ import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from kit.config_keys import KEYS, REPLACED_KEYS
+from kit.config.keys import KEYS, REPLACED_KEYS
 from kit.errors import ConfigError
 
 _MISSING = object()

@@ -4,7 +4,7 @@ A ``TorchDispatchMode`` checks every op's outputs while the captured step's forw
 backward run again (same batch, RNG and weights); a ``TorchFunctionMode`` stamps autograd
 nodes with the module and line that created them, so a NaN that first appears in the
 backward is traced to its forward origin. Used through :func:`kit.debug.replay` /
-``session.replay()``.
+``session.replay()`` (see :mod:`kit.debug`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from kit.data.batch import Batch
-from kit.debug import DebugContext, _format_losses, _is_user_file, rng_kept
+from kit.debug.context import DebugContext, format_losses, is_user_file, rng_kept
 from kit.errors import KitError
 
 
@@ -117,9 +117,9 @@ class ReplayReport:
         lines = [
             f"replay of the {self.event} step {self.where}: {status}",
             "  losses: "
-            + (_format_losses(self.losses) or "(none)")
+            + (format_losses(self.losses) or "(none)")
             + (
-                f" (captured: {_format_losses(self.captured_losses)})"
+                f" (captured: {format_losses(self.captured_losses)})"
                 if not self.reproduced and self.captured_losses
                 else ""
             ),
@@ -178,7 +178,7 @@ def _user_frame() -> tuple[str, int, str] | None:
     """The innermost frame outside torch, kit and the standard library: the user's line."""
     frame = sys._getframe(1)
     while frame is not None:
-        if _is_user_file(frame.f_code.co_filename):
+        if is_user_file(frame.f_code.co_filename):
             return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
         frame = frame.f_back
     return None

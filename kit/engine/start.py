@@ -1,4 +1,4 @@
-"""Where a run starts, and the engine's state in and out of checkpoints.
+"""Where a run starts: the epoch, the weights and the training state it continues from.
 
 Training (RETURNN's ``task="train"``; first match wins):
 
@@ -29,16 +29,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kit import checkpoints
+from kit.checkpoints.naming import parse_model_path
 from kit.config import Config
+from kit.engine.parts import eval_datasets
 from kit.errors import CheckpointError, ConfigError
-from kit.rng import get_rng_state, set_rng_state
 
 logger = logging.getLogger("kit")
 
@@ -56,62 +56,6 @@ class Start:
     first_train_epoch: bool = True  # RETURNN: preload entries with init_for_train=True apply
     import_path: str | None = None  # import_model_train_epoch1, loaded by init_weights
     checkpoint: Any = None  # the kit checkpoint it starts from
-
-
-# ---- datasets and stores ----------------------------------------------------------------
-
-
-def build_datasets(config: Config) -> dict[str, Any]:
-    from kit.data import make_dataset
-
-    out: dict[str, Any] = {}
-    for key in ("train", "dev", "eval"):
-        value = config.typed_value(key)
-        if value is not None:
-            out[key] = _make(make_dataset, value, key)
-    for name, value in (config.typed_value("eval_datasets") or {}).items():
-        out[f"eval_datasets.{name}"] = _make(make_dataset, value, f"eval_datasets[{name!r}]")
-    return out
-
-
-def _make(make_dataset: Any, value: Any, key: str) -> Any:
-    try:
-        return make_dataset(value)
-    except (ConfigError, TypeError, ValueError) as exc:
-        raise ConfigError(f"config key '{key}': {exc}") from None
-
-
-def eval_datasets(datasets: dict[str, Any]) -> dict[str, Any]:
-    """Name → dataset for the datasets evaluated after each epoch (dev, eval, eval_datasets)."""
-    out = {k: v for k, v in datasets.items() if k in ("dev", "eval")}
-    out.update({k.split(".", 1)[1]: v for k, v in datasets.items() if k.startswith("eval_datasets.")})
-    return out
-
-
-def build_extern_data(config: Config) -> Any:
-    spec = config.typed_value("extern_data")
-    if spec is None:
-        return None
-    from kit.data import ExternData
-
-    return ExternData(spec)
-
-
-def score_file_path(config: Config) -> str | None:
-    path = config.typed_value("learning_rate_file")
-    if path:
-        return path
-    prefix = config.typed_value("model")
-    return f"{prefix}.scores.json" if prefix else None
-
-
-def open_score_table(config: Config) -> Any:
-    from kit.scores import ScoreTable
-
-    path = score_file_path(config)
-    if path and os.path.exists(path):
-        return ScoreTable.load(path)
-    return ScoreTable(path)
 
 
 # ---- choosing the start ------------------------------------------------------------------
@@ -230,9 +174,6 @@ def _start_from(ckpt: Any, source: str, *, with_train_state: bool = True, loaded
                  source=f"{source}: {ckpt.path}", first_train_epoch=False, checkpoint=ckpt)
 
 
-_CKPT_NAME = re.compile(r"^(?P<prefix>.+)\.(?P<epoch>\d{3,})(?:\.step(?P<step>\d+))?\.pt$")
-
-
 def _resolve_file(path: Any, key: str) -> str:
     """The file a ``load`` / ``import_model_train_epoch1`` value names (RETURNN allows leaving out ``.pt``)."""
     path = os.fspath(path)
@@ -244,10 +185,10 @@ def _resolve_file(path: Any, key: str) -> str:
 
 def _as_checkpoint(path: str) -> Any:
     """The kit checkpoint whose model file is ``path``, when it has a manifest; else None."""
-    m = _CKPT_NAME.match(path)
-    if m is None:
+    name = parse_model_path(path)
+    if name is None:
         return None
-    for ckpt in checkpoints.list_checkpoints(m["prefix"]):
+    for ckpt in checkpoints.list_checkpoints(name.prefix):
         if os.path.abspath(ckpt.path) == os.path.abspath(path) and ckpt.complete:
             return ckpt
     return None
@@ -266,8 +207,8 @@ def _start_from_file(value: Any, *, training: bool, with_train_state: bool = Tru
     epoch, step = 0, 0
     if isinstance(model_file, dict) and "model" in model_file:
         epoch, step = int(model_file.get("epoch") or 0), int(model_file.get("step") or 0)
-    if not epoch and (m := _CKPT_NAME.match(path)):
-        epoch = int(m["epoch"])
+    if not epoch and (name := parse_model_path(path)):
+        epoch = name.epoch
     return Start(epoch=epoch + 1, global_train_step=step, model_state=state, source=f"load={value!r}",
                  first_train_epoch=epoch == 0)
 
@@ -374,83 +315,3 @@ def init_weights(engine: Any, start: Start) -> None:
     hooks = config.typed_value("load_model_post_hooks")
     if hooks:
         checkpoints.apply_load_model_post_hooks(model, hooks)
-
-
-# ---- training state ---------------------------------------------------------------------
-
-
-def train_state(engine: Any) -> dict[str, Any]:
-    """Everything besides the weights that a bit-exact continuation needs."""
-    p = engine.progress
-    state: dict[str, Any] = {
-        "progress": p.state_dict(),
-        "optimizer": engine.updater.state_dict() if engine.updater else None,
-        "grad_scaler": engine.grad_scaler.state_dict() if engine.grad_scaler else None,
-        "pipeline": engine.train_pipeline.state_dict() if engine.train_pipeline and p.epoch_running else None,
-        "accounting": engine.accounting.state_dict() if p.epoch_running else None,
-        "rng": get_rng_state(),
-        "learning_rate": {"epoch": engine._epoch_lr, "step": engine._step_lr},
-        "grads": None,
-        # a copy of the score table (the LR control's state) in case the file is lost; JSON text,
-        # so that no meta value (e.g. torch's TorchVersion) needs an unpickling allow-list
-        "scores": engine.scores.to_json() if engine.scores is not None else None,
-    }
-    if p.accum_count and engine.model is not None:  # an open accumulation window
-        state["grads"] = {n: prm.grad.detach().cpu() for n, prm in engine.model.named_parameters()
-                          if prm.grad is not None}
-    if engine.lr_control is not None and hasattr(engine.lr_control, "state_dict"):
-        state["lr_control"] = engine.lr_control.state_dict()
-    return state
-
-
-def load_train_state(engine: Any, state: dict[str, Any]) -> None:
-    """Put a :func:`train_state` back: optimizer, scaler, LR, data position, open window, RNG."""
-    p = engine.progress
-    p.load_state_dict(state["progress"])
-    if state.get("optimizer") is not None:
-        engine.updater.load_state_dict(state["optimizer"])
-    if state.get("grad_scaler") is not None and engine.grad_scaler is not None:
-        engine.grad_scaler.load_state_dict(state["grad_scaler"])
-        # GradScaler creates its scale tensor on the first scale() call; an open accumulation
-        # window may be unscaled (finished at the epoch end) before any step scales in this process
-        engine.grad_scaler.scale(torch.zeros((), device=engine.device))
-    if state.get("lr_control") is not None and hasattr(engine.lr_control, "load_state_dict"):
-        engine.lr_control.load_state_dict(state["lr_control"])
-    lr = state.get("learning_rate") or {}
-    engine._epoch_lr, engine._step_lr = float(lr.get("epoch", 0.0)), float(lr.get("step", 0.0))
-    if p.epoch_running:
-        engine.updater.set_learning_rate(engine._step_lr)
-        engine.train_pipeline.load_state_dict(state["pipeline"])
-        if getattr(engine, "dist", None) is None or engine.dist.is_main:  # rank 0 saved the sums of all ranks
-            engine.accounting.load_state_dict(state["accounting"], engine.device)
-        engine.model.train()
-    if state.get("grads"):
-        params = dict(engine.model.named_parameters())
-        for name, grad in state["grads"].items():
-            params[name].grad = grad.to(params[name].device)
-    set_rng_state(state["rng"])
-
-
-def save(engine: Any, *, kind: str, epoch: int | None) -> Any:
-    p = engine.progress
-    return checkpoints.save(
-        engine.model_prefix,
-        epoch=epoch if epoch is not None else p.epoch,
-        model_state=engine.model.state_dict(),
-        train_state=train_state(engine),
-        global_train_step=p.global_train_step,
-        effective_learning_rate=engine._step_lr,
-        kind=kind,
-        config_digest=engine.config.digest(),
-    )
-
-
-def cleanup(engine: Any) -> list[Any]:
-    options = engine.config.typed_value("cleanup_old_models")
-    if not options:
-        return []
-    table = engine.scores
-    scores = {e: {k: v for k, v in table.scores(e).items() if not k.startswith("train_")} for e in table.epochs}
-    protect = [engine.last_checkpoint] if engine.last_checkpoint is not None else []
-    return checkpoints.cleanup(engine.model_prefix, options, scores=scores, protect=protect)  # logs each removal
-

@@ -75,7 +75,7 @@ class CheckpointBrowser:
         would_remove = set()
         options = self._session.config.typed_value("cleanup_old_models")
         if options and ckpts:
-            # the same scores and protection as the cleanup at each epoch end (kit.engine.resume.cleanup)
+            # the same scores and protection as the cleanup at each epoch end (kit.engine.state.cleanup)
             score_map = {e: {k: v for k, v in scores.scores(e).items() if not k.startswith("train_")}
                          for e in scores.epochs}
             preview = {**({} if options is True else dict(options)), "dry_run": True}

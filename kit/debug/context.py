@@ -1,27 +1,10 @@
-"""Debug hook instead of a debug shell: the failing step's context handed back as an object.
+"""The engine's debug protocol, on the debug side: ``DebugContext`` and the ``Debugger`` that builds it.
 
-RETURNN's ``debug_shell_before_train_loop`` opens a blocking terminal shell (dead in
-Jupyter) and its NaN check runs after the bad update. In kit the engine calls a hook
-with a :class:`DebugContext` on these events, while the loop state is intact:
-
-- ``before_train_loop`` — start of every train epoch
-- ``exception`` — any exception from user code in train, eval or forward
-- ``nonfinite`` — the non-finite guard fired, *before* the update (weights unchanged)
-- ``step`` — ``session.break_on(step=..., when=...)`` matched
-
-Hooks: :func:`capture` (default: keep it as ``session.last_failure``), :func:`post_mortem`
-(pdb / IPython debugger in the failing frame), :func:`raise_` (re-raise), or any callable.
-A hook runs with the RNG states put back afterwards, so looking never changes training.
-:func:`replay` re-runs the captured step under a tracer that names the first operation,
-module and source line that produced a NaN/Inf.
-
->>> session.debug_hook = kit.debug.capture      # doctest: +SKIP
->>> session.train()                              # doctest: +SKIP
-NonFiniteLossError: non-finite values at epoch 1, step 5 ...
->>> session.last_failure.batch.seq_tags          # doctest: +SKIP
->>> session.replay()                             # doctest: +SKIP
-first NaN/Inf: aten.div.Tensor in module scale (Scale), forward, from finite inputs ...
+The engine calls ``Debugger.notify`` on ``before_train_loop``, ``exception`` and ``nonfinite``;
+a Session's break points build a ``step`` context. The hook runs with every RNG state put
+back afterwards, so looking never changes training.
 """
+
 
 from __future__ import annotations
 
@@ -39,17 +22,8 @@ import torch
 
 from kit.data.batch import Batch, Field
 from kit.engine.user_code import module_call_stack
-from kit.errors import KitError
 
 DEBUG_EVENTS = ("before_train_loop", "exception", "nonfinite", "step")
-
-
-class DebugStop(KitError):
-    """Raised by :func:`raise_` for an event that carries no exception of its own."""
-
-    def __init__(self, ctx: DebugContext):
-        super().__init__(f"stopped by kit.debug.raise_ at {ctx.event} (epoch {ctx.epoch}, step {ctx.step})")
-        self.context = ctx
 
 
 @dataclass
@@ -91,7 +65,7 @@ class DebugContext:
             f"(global step {self.global_train_step})"
         ]
         if self.losses:
-            lines.append("losses: " + _format_losses(self.losses))
+            lines.append("losses: " + format_losses(self.losses))
         if self.nonfinite:
             lines.append("non-finite: " + ", ".join(self.nonfinite))
         if self.exception is not None and self.event != "nonfinite":  # that one only repeats the list above
@@ -109,7 +83,7 @@ class DebugContext:
         return f"<pre>{html.escape(str(self))}</pre>"
 
 
-def _format_losses(losses: dict[str, float]) -> str:
+def format_losses(losses: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.4g}" for k, v in losses.items())
 
 
@@ -119,70 +93,10 @@ _LIBRARY_DIRS = tuple(
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 
-def _is_user_file(filename: str) -> bool:
+def is_user_file(filename: str) -> bool:
     if filename.startswith("<frozen") or filename.startswith(_LIBRARY_DIRS):
         return False
     return not (filename.startswith(_STDLIB) and "-packages" not in filename)
-
-
-# ---- built-in hooks ---------------------------------------------------------------------
-
-
-def capture(ctx: DebugContext) -> None:
-    """Default hook: keep failures (and break points) as ``session.last_failure``."""
-    if ctx.event != "before_train_loop" and ctx.owner is not None:
-        with contextlib.suppress(ReferenceError):
-            ctx.owner.last_failure = ctx
-
-
-def raise_(ctx: DebugContext) -> None:
-    """Re-raise the event's exception (or :class:`DebugStop` when it has none)."""
-    capture(ctx)
-    if ctx.exception is not None:
-        raise ctx.exception
-    if ctx.event != "before_train_loop":
-        raise DebugStop(ctx)
-
-
-def post_mortem(ctx: DebugContext) -> None:
-    """Open the debugger in the failing user code's frames (IPython's in a notebook, else pdb).
-
-    Events without a raised exception (``nonfinite``, ``step``) have no failing frame:
-    the context is printed instead; ``session.replay()`` finds the op.
-    """
-    capture(ctx)
-    if ctx.event == "before_train_loop":
-        return
-    print(ctx)
-    tb = ctx.exception.__traceback__ if ctx.exception is not None else None
-    if tb is None:
-        if ctx.event == "nonfinite":
-            print("no failing frame to debug: call session.replay() to find the op that made the NaN/Inf")
-        return
-    try:
-        from IPython.core.debugger import Pdb
-    except ImportError:  # plain Python
-        from pdb import Pdb
-    below = _frames_below_user_code(tb)
-    if below:
-        print(f"(the debugger starts where the error was raised; `up` {below} times leads to your code)")
-    debugger = Pdb()
-    debugger.reset()
-    debugger.interaction(None, tb)
-
-
-def _frames_below_user_code(tb: Any) -> int:
-    frames = []
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    for i, filename in enumerate(reversed(frames)):
-        if _is_user_file(filename):
-            return i
-    return 0
-
-
-# ---- the engine-side subscriber -----------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -278,21 +192,3 @@ def _cpu_copy(batch: Batch) -> Batch:
     return Batch(
         fields, list(batch.seq_tags), list(batch.seq_idx), batch.epoch, batch.complete_frac, batch.batch_idx
     )
-
-
-def replay(engine: Any, ctx: DebugContext, *, anomaly: bool = True) -> Any:
-    """Re-run exactly the captured step and name the first op/module/line that made a NaN/Inf.
-
-    Returns a :class:`kit.debug_replay.ReplayReport`; see :mod:`kit.debug_replay`.
-    """
-    from kit.debug_replay import replay_step
-
-    return replay_step(engine, ctx, anomaly=anomaly)
-
-
-def __getattr__(name: str) -> Any:
-    if name in ("ReplayReport", "Finding"):
-        import kit.debug_replay
-
-        return getattr(kit.debug_replay, name)
-    raise AttributeError(f"module 'kit.debug' has no attribute {name!r}")

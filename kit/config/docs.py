@@ -1,0 +1,51 @@
+"""Write (or check) ``docs/config.md`` from the config key registry.
+
+python -m kit.config.docs            # rewrite docs/config.md
+python -m kit.config.docs --check    # exit 1 when docs/config.md is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kit.config.keys import config_reference_markdown
+
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+
+
+def expected_text() -> str:
+    text = config_reference_markdown()
+    return text if text.endswith("\n") else text + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kit.config.docs", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 when the file differs, write nothing")
+    parser.add_argument(
+        "--path", type=Path, default=DEFAULT_PATH, help="default: docs/config.md of this checkout"
+    )
+    args = parser.parse_args(argv)
+    want = expected_text()
+    try:
+        have = args.path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        have = None
+    if args.check:
+        if have != want:
+            print(f"{args.path} is stale: run `python -m kit.config.docs`", file=sys.stderr)
+            return 1
+        print(f"{args.path} is up to date")
+        return 0
+    if have != want:
+        args.path.parent.mkdir(parents=True, exist_ok=True)
+        args.path.write_text(want, encoding="utf-8")
+        print(f"wrote {args.path}")
+    else:
+        print(f"{args.path} is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

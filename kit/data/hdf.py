@@ -1,0 +1,266 @@
+"""``HDFDataset``: RETURNN's HDF files (``SimpleHDFWriter``, ``HDFDatasetWriter``, ``hdf_dump``), read lazily.
+
+RETURNN's layout: ``inputs`` (the ``data`` key, all sequences concatenated in time),
+``targets/data/<key>`` (the other keys, likewise), ``seqLengths`` ``[num_seqs, 1 + num_targets]``
+(the ``inputs`` column first when there are inputs, then the target keys in sorted order),
+``seqTags``, ``targets/size`` (dims) and ``targets/labels``. Only ``seqLengths`` is read at
+start (a few bytes per sequence); each sequence's frames are read from the file when it is
+loaded, so files far larger than memory train.
+
+>>> ds = HDFDataset(["train.1.hdf", "train.2.hdf"], seq_ordering="laplace:.100")
+>>> ds.get_seq(0)["data"].shape      # (T, dim), read from the file now
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kit.data.dataset import Dataset, SeqDict
+from kit.errors import ConfigError, DataError
+
+
+def _decode(tag: Any) -> str:
+    text = tag.decode("utf-8") if isinstance(tag, bytes) else str(tag)
+    return text.split("\0")[0]
+
+
+class _FileIndex:
+    """What is known of one file without reading its frames: keys, columns, per-sequence offsets."""
+
+    def __init__(self, path: str, fin: Any):
+        self.path = path
+        self.has_inputs = "inputs" in fin
+        if "targets" in fin:
+            names = set(fin["targets/data"].keys()) | set(fin["targets/size"].attrs.keys())
+            self.target_keys = sorted(str(k) for k in names)
+        else:
+            self.target_keys = ["classes"]  # RETURNN's historical dummy column, never a data key
+        lengths = np.asarray(fin["seqLengths"][...], dtype=np.int64)
+        if lengths.ndim == 1:
+            lengths = np.repeat(lengths[:, None], int(self.has_inputs) + len(self.target_keys), axis=1)
+        if lengths.ndim != 2 or lengths.shape[1] != int(self.has_inputs) + len(self.target_keys):
+            raise DataError(
+                f"HDF file {path}: seqLengths has shape {lengths.shape}, expected "
+                f"[num_seqs, {int(self.has_inputs) + len(self.target_keys)}] for inputs + {self.target_keys}"
+            )
+        self.lengths = lengths
+        self.starts = np.zeros((len(lengths) + 1, lengths.shape[1]), dtype=np.int64)
+        np.cumsum(lengths, axis=0, out=self.starts[1:])
+        stored = set(fin["targets/data"].keys()) if "targets" in fin else set()
+        self.data_keys = (["data"] if self.has_inputs else []) + [k for k in self.target_keys if k in stored]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lengths)
+
+    def column(self, key: str) -> int:
+        if key == "data" and self.has_inputs:
+            return 0
+        return int(self.has_inputs) + self.target_keys.index(key)
+
+
+class HDFDataset(Dataset):
+    """RETURNN's ``HDFDataset``: one or more HDF files, read lazily with h5py.
+
+    Args:
+        files: paths of the HDF files (their sequences follow each other in this order).
+        use_cache_manager, cache_byte_size: RETURNN's caching options; kit always reads on
+            demand, so ``cache_byte_size`` is accepted and has no effect, and a true
+            ``use_cache_manager`` (RETURNN's cluster file cache) is refused.
+        **opts: the Dataset options (``seq_ordering``, ``partition_epoch``, ``fixed_random_seed``, ...).
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str | os.PathLike[str]] | str | os.PathLike[str],
+        *,
+        use_cache_manager: bool = False,
+        cache_byte_size: int | None = None,
+        **opts: Any,
+    ):
+        super().__init__(**opts)
+        del cache_byte_size
+        if use_cache_manager:
+            raise ConfigError("HDFDataset: use_cache_manager=True (RETURNN's cluster cache) is not supported by kit")
+        if isinstance(files, (str, os.PathLike)):
+            files = [files]
+        self.files = [os.fspath(f) for f in files]
+        if not self.files:
+            raise ConfigError("HDFDataset: 'files' is empty; give at least one HDF file")
+        self._handles: dict[int, Any] = {}
+        self._index = [self._read_index(i) for i in range(len(self.files))]
+        self.data_keys = self._index[0].data_keys
+        for fi in self._index[1:]:
+            if fi.data_keys != self.data_keys:
+                raise DataError(
+                    f"HDFDataset: {fi.path} has the keys {fi.data_keys}, but {self._index[0].path} has "
+                    f"{self.data_keys}; all files of one HDFDataset need the same keys"
+                )
+        self._file_start = np.cumsum([0] + [fi.num_seqs for fi in self._index])
+        self._tags: list[str] | None = None
+        self.dims, self.shapes, self.sparse, self.labels = self._read_meta()
+
+    # ---- files -----------------------------------------------------------------------
+
+    def _file(self, i: int) -> Any:
+        """The open h5py file ``i`` (opened on first use; not pickled: each worker opens its own)."""
+        fin = self._handles.get(i)
+        if fin is None:
+            import h5py  # imported here: ``import kit`` must not load h5py
+
+            try:
+                fin = h5py.File(self.files[i], "r")
+            except OSError as exc:
+                raise DataError(f"HDFDataset: cannot open {self.files[i]}: {exc}") from None
+            self._handles[i] = fin
+        return fin
+
+    def _read_index(self, i: int) -> _FileIndex:
+        fin = self._file(i)
+        if "seqLengths" not in fin:
+            raise DataError(f"HDFDataset: {self.files[i]} is not a RETURNN HDF file (no 'seqLengths')")
+        return _FileIndex(self.files[i], fin)
+
+    def _read_meta(
+        self,
+    ) -> tuple[dict[str, int], dict[str, tuple[int, ...]], dict[str, bool], dict[str, list[str]]]:
+        fin, first = self._file(0), self._index[0]
+        dims, shapes, sparse, labels = {}, {}, {}, {}
+        for key in self.data_keys:
+            ds = fin["inputs"] if key == "data" and first.has_inputs else fin["targets/data"][key]
+            size = fin.attrs.get("inputPattSize") if key == "data" else fin["targets/size"].attrs.get(key)
+            declared = np.ravel(size) if size is not None else np.array([ds.shape[-1] if ds.ndim > 1 else 1])
+            dims[key] = int(declared[0])
+            shapes[key] = tuple(int(d) for d in ds.shape[1:])
+            sparse[key] = ds.ndim == 1 and np.issubdtype(ds.dtype, np.integer)
+        if "targets/labels" in fin:
+            for key in fin["targets/labels"]:
+                labels[str(key)] = [_decode(x) for x in fin["targets/labels"][key][...].tolist()]
+        return dims, shapes, sparse, labels
+
+    def close(self) -> None:
+        """Close the open files (they reopen on the next read)."""
+        for fin in self._handles.values():
+            fin.close()
+        self._handles.clear()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_handles"] = {}  # h5py files cannot be pickled; a worker reopens them
+        return state
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: S110 - interpreter shutdown: h5py may be gone already
+            pass
+
+    # ---- the Dataset protocol --------------------------------------------------------
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self._file_start[-1])
+
+    def _locate(self, idx: int) -> tuple[int, int]:
+        idx = self._check_index(idx)
+        f = int(np.searchsorted(self._file_start, idx, side="right")) - 1
+        return f, idx - int(self._file_start[f])
+
+    def get_seq(self, idx: int) -> SeqDict:
+        f, s = self._locate(idx)
+        fi, fin = self._index[f], self._file(f)
+        out: SeqDict = {}
+        for key in self.data_keys:
+            c = fi.column(key)
+            a, b = int(fi.starts[s, c]), int(fi.starts[s + 1, c])
+            ds = fin["inputs"] if key == "data" and fi.has_inputs else fin["targets/data"][key]
+            out[key] = np.asarray(ds[a:b])
+        return out
+
+    def get_seq_tag(self, idx: int) -> str:
+        if self._tags is not None:
+            return self._tags[self._check_index(idx)]
+        f, s = self._locate(idx)
+        fin = self._file(f)
+        return _decode(fin["seqTags"][s]) if "seqTags" in fin else f"seq-{idx}"
+
+    def get_seq_index(self, tag: str) -> int:
+        if self._tags is None:
+            self._tags = self.all_tags()
+        return super().get_seq_index(tag)
+
+    def all_tags(self) -> list[str]:
+        """Every sequence tag, in dataset order (one read of each file's ``seqTags``)."""
+        tags: list[str] = []
+        for f, fi in enumerate(self._index):
+            fin = self._file(f)
+            if "seqTags" in fin:
+                tags += [_decode(t) for t in fin["seqTags"][...].tolist()]
+            else:
+                start = int(self._file_start[f])
+                tags += [f"seq-{start + i}" for i in range(fi.num_seqs)]
+        return tags
+
+    def get_seq_length(self, idx: int) -> dict[str, int]:
+        f, s = self._locate(idx)
+        fi = self._index[f]
+        return {key: int(fi.lengths[s, fi.column(key)]) for key in self.data_keys}
+
+    def seq_lengths(self) -> dict[str, np.ndarray]:
+        """All lengths from ``seqLengths`` alone (no frames read)."""
+        return {
+            key: np.concatenate([fi.lengths[:, fi.column(key)] for fi in self._index]) for key in self.data_keys
+        }
+
+    def sort_lengths(self) -> np.ndarray:
+        """RETURNN sorts HDF sequences by the first ``seqLengths`` column (``inputs`` when present)."""
+        return np.concatenate([fi.lengths[:, 0] for fi in self._index])
+
+    @property
+    def extern_data(self) -> dict[str, dict[str, Any]]:
+        """A kit ``extern_data`` for these files: dense keys ``(None, dim)``, sparse ones ``sparse_dim``."""
+        out: dict[str, dict[str, Any]] = {}
+        for key in self.data_keys:
+            if self.sparse[key]:
+                out[key] = {"shape": (None,), "sparse_dim": self.dims[key]}
+            else:
+                out[key] = {"shape": (None, *self.shapes[key])}
+        return out
+
+
+def write_hdf(path: str | os.PathLike[str], seqs: Sequence[SeqDict], tags: Sequence[str] | None = None) -> None:
+    """Write sequences in RETURNN's HDF layout (``data`` as ``inputs``, other keys as targets).
+
+    The file loads in kit's and in RETURNN's ``HDFDataset``. Every key needs a time axis
+    (shape ``[T, ...]``); 1-d integer keys are sparse, their dim is their maximum + 1.
+    """
+    import h5py
+
+    if not seqs:
+        raise DataError(f"write_hdf({os.fspath(path)!r}): no sequences")
+    keys = sorted(seqs[0])
+    targets = sorted(k for k in keys if k != "data")
+    tags = [f"seq-{i}" for i in range(len(seqs))] if tags is None else [str(t) for t in tags]
+    lengths = np.array(
+        [[int(np.shape(s[k])[0]) for k in (["data"] if "data" in keys else []) + (targets or [])] for s in seqs],
+        dtype=np.int32,
+    )
+    with h5py.File(os.fspath(path), "w") as fout:
+        fout.attrs.update({"numSeqs": len(seqs), "numDims": 1, "numTimesteps": int(lengths[:, 0].sum())})
+        fout.create_dataset("seqLengths", data=lengths if targets else np.c_[lengths, lengths])
+        fout.create_dataset("seqTags", data=np.array([t.encode("utf-8") for t in tags], dtype="S"))
+        for key in keys:
+            arr = np.concatenate([np.asarray(s[key]) for s in seqs], axis=0)
+            dim = int(arr.max()) + 1 if arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer) else arr.shape[-1]
+            if key == "data":
+                fout.create_dataset("inputs", data=arr)
+                fout.attrs["inputPattSize"] = dim
+                fout.attrs["numLabels"] = dim
+            else:
+                fout.create_dataset(f"targets/data/{key}", data=arr)
+                fout.require_group("targets/size").attrs[key] = [dim, arr.ndim]
+                fout.require_group("targets/labels")

@@ -1,0 +1,67 @@
+"""The parts a config names, built once per engine: datasets, ``extern_data`` and the score table.
+
+Datasets are keyed by their config key (``train``, ``dev``, ``eval``) and
+``eval_datasets.<name>``; :func:`eval_datasets` gives the name → dataset map of the
+datasets evaluated after each epoch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from kit.config import Config
+from kit.errors import ConfigError
+
+
+def build_datasets(config: Config) -> dict[str, Any]:
+    from kit.data import make_dataset
+
+    out: dict[str, Any] = {}
+    for key in ("train", "dev", "eval"):
+        value = config.typed_value(key)
+        if value is not None:
+            out[key] = _make(make_dataset, value, key)
+    for name, value in (config.typed_value("eval_datasets") or {}).items():
+        out[f"eval_datasets.{name}"] = _make(make_dataset, value, f"eval_datasets[{name!r}]")
+    return out
+
+
+def _make(make_dataset: Any, value: Any, key: str) -> Any:
+    try:
+        return make_dataset(value)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"config key '{key}': {exc}") from None
+
+
+def eval_datasets(datasets: dict[str, Any]) -> dict[str, Any]:
+    """Name → dataset for the datasets evaluated after each epoch (dev, eval, eval_datasets)."""
+    out = {k: v for k, v in datasets.items() if k in ("dev", "eval")}
+    out.update({k.split(".", 1)[1]: v for k, v in datasets.items() if k.startswith("eval_datasets.")})
+    return out
+
+
+def build_extern_data(config: Config) -> Any:
+    spec = config.typed_value("extern_data")
+    if spec is None:
+        return None
+    from kit.data import ExternData
+
+    return ExternData(spec)
+
+
+def score_file_path(config: Config) -> str | None:
+    path = config.typed_value("learning_rate_file")
+    if path:
+        return path
+    prefix = config.typed_value("model")
+    return f"{prefix}.scores.json" if prefix else None
+
+
+def open_score_table(config: Config) -> Any:
+    from kit.scores import ScoreTable
+
+    path = score_file_path(config)
+    if path and os.path.exists(path):
+        return ScoreTable.load(path)
+    return ScoreTable(path)

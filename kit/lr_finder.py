@@ -1,0 +1,225 @@
+"""``session.lr_find()``: an exponential learning-rate sweep that leaves no trace.
+
+The sweep trains ``num_steps`` probe steps on the next training batches (the engine's own
+step, with the probe's learning rate), the learning rate growing from ``start_lr`` to
+``end_lr`` by the same factor each step, and stops early once the smoothed loss diverges
+(non-finite, or more than ``diverge_factor`` times its best). Before it, the engine's training
+state is taken in memory — the same state a checkpoint holds (:func:`kit.engine.state.train_state`)
+plus the weights and buffers — and put back afterwards (also after an error or an interrupt),
+so parameters, optimizer state, RNG states, data position, history and score table are
+bitwise what they were. No event reaches the session's views: the probe steps are not training.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pandas as pd  # type: ignore[import-untyped]
+
+from kit.engine import state as engine_state
+from kit.engine.accounting import EpochAccounting
+from kit.errors import KitError, NonFiniteLossError
+from kit.events import Events
+
+
+class LRFindResult(pd.DataFrame):
+    """The sweep: one row per probe step (``lr``, ``loss``, ``smoothed_loss``).
+
+    ``suggestion`` is the learning rate where the smoothed loss falls fastest (steepest
+    descent over log lr, before its minimum); ``reason`` says why the sweep stopped;
+    ``loss_name`` is the loss that was followed. ``plot()`` draws it; in a notebook the
+    result shows the suggestion and the plot above the table.
+    """
+
+    _metadata = ["suggestion", "reason", "loss_name"]
+
+    @property
+    def _constructor(self) -> type:
+        return LRFindResult
+
+    def plot(self, **_: Any) -> Any:  # type: ignore[override]
+        """A matplotlib Figure: loss (raw, smoothed) over the learning rate on a log axis."""
+        return plot_sweep(self)
+
+    def summary(self) -> str:
+        lr = getattr(self, "suggestion", None)
+        text = f"suggested learning rate {lr:.3g}" if lr is not None else "no suggestion (too few steps)"
+        return f"{text}; {getattr(self, 'reason', '')}"
+
+    def __repr__(self) -> str:
+        return self.summary() + "\n" + super().__repr__()
+
+    def _repr_html_(self) -> str:  # type: ignore[override]
+        import base64
+        import html
+        import io
+
+        buf = io.BytesIO()
+        self.plot().savefig(buf, format="png")
+        img = base64.b64encode(buf.getvalue()).decode("ascii")
+        table = pd.DataFrame(self)._repr_html_()
+        return (f"<b>{html.escape(self.summary())}</b><br><img src='data:image/png;base64,{img}'/>"
+                f"{table}")
+
+
+def lr_find(engine: Any, *, start_lr: float = 1e-7, end_lr: float = 10.0, num_steps: int = 100,
+            smoothing: float = 0.98, diverge_factor: float = 4.0, loss: str | None = None) -> LRFindResult:
+    """Run the sweep on ``engine`` (set up for training) and put its state back; see the module doc.
+
+    Args:
+        loss: the loss name to follow (default: the first loss ``train_step`` marks that is not an error).
+    """
+    _check_args(start_lr, end_lr, num_steps, smoothing, diverge_factor)
+    rows: list[tuple[float, float]] = []
+    reason = f"ran all {num_steps} steps"
+    with preserved_training_state(engine):
+        probe = _Probe(loss)
+        engine.events.on("step_end", probe.on_step_end)
+        ratio = (end_lr / start_lr) ** (1.0 / max(num_steps - 1, 1))
+        best, avg = math.inf, 0.0
+        for i in range(num_steps):
+            lr = start_lr * ratio**i
+            try:
+                _probe_step(engine, lr)
+            except NonFiniteLossError:
+                reason = f"stopped at step {i + 1}: the loss became non-finite at lr {lr:.3g}"
+                break
+            value = probe.value
+            avg = smoothing * avg + (1 - smoothing) * value
+            smoothed = avg / (1 - smoothing ** (i + 1))
+            rows.append((lr, value))
+            if not math.isfinite(smoothed) or smoothed > diverge_factor * best:
+                reason = f"stopped at step {i + 1}: the loss diverged at lr {lr:.3g}"
+                break
+            best = min(best, smoothed)
+    return _result(rows, smoothing, reason, probe.name)
+
+
+def _check_args(start_lr: float, end_lr: float, num_steps: int, smoothing: float, diverge_factor: float) -> None:
+    if not (start_lr > 0 and end_lr > start_lr):
+        raise ValueError(f"lr_find: need 0 < start_lr < end_lr, got start_lr={start_lr!r}, end_lr={end_lr!r}")
+    if not isinstance(num_steps, int) or num_steps < 2:
+        raise ValueError(f"lr_find: num_steps must be an int >= 2, got {num_steps!r}")
+    if not 0 <= smoothing < 1 or diverge_factor <= 1:
+        raise ValueError(f"lr_find: need 0 <= smoothing < 1 and diverge_factor > 1, got {smoothing!r}, "
+                         f"{diverge_factor!r}")
+
+
+class _Probe:
+    """The followed loss of the last probe step (one device→host read per step: the sweep must
+    see each loss to stop at divergence)."""
+
+    def __init__(self, name: str | None):
+        self.name, self.value = name, math.nan
+
+    def on_step_end(self, result: Any, **_: Any) -> None:
+        losses = result.losses
+        if self.name is None:
+            names = [n for n in losses if n not in result.step_losses.errors] or list(losses)
+            if not names:
+                raise KitError("lr_find: train_step marked no loss")
+            self.name = names[0]
+        if self.name not in losses:
+            raise KitError(f"lr_find(loss={self.name!r}): train_step marked only {', '.join(losses)}")
+        self.value = losses[self.name]
+
+
+def _probe_step(engine: Any, lr: float) -> None:
+    """One probe step; when the epoch's data runs out, its batches come round again."""
+    if engine.train_step(probe_lr=lr) is None:
+        engine.progress.steps_exhausted = False
+        engine.train_pipeline.set_epoch(engine.progress.epoch)
+        if engine.train_step(probe_lr=lr) is None:
+            raise KitError("lr_find: the training data gave no batch")
+
+
+@contextmanager
+def preserved_training_state(engine: Any) -> Iterator[None]:
+    """Take the engine's training state in memory; put it back bitwise afterwards, whatever happens.
+
+    The probe steps see a fresh event bus, no debugger and a throwaway loss accounting.
+    """
+    state = copy.deepcopy(engine_state.train_state(engine))  # optimizer, scaler, progress, LR, RNG, LR control
+    model = engine.model
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}  # parameters and buffers
+    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+    pipeline = copy.deepcopy(engine.train_pipeline.state_dict())  # also when no epoch runs
+    scores = copy.deepcopy(engine.scores.state_dict())
+    kept = {"events": engine.events, "debugger": engine.debugger, "accounting": engine.accounting,
+            "last_batch": engine.last_batch, "training": model.training}
+    engine.events, engine.debugger, engine.accounting = Events(), None, EpochAccounting()
+    try:
+        yield
+    finally:
+        engine.events, engine.debugger = kept["events"], kept["debugger"]
+        model.load_state_dict(weights)
+        engine_state.load_train_state(engine, state)
+        engine.accounting, engine.last_batch = kept["accounting"], kept["last_batch"]
+        engine.train_pipeline.load_state_dict(pipeline)
+        for name, param in model.named_parameters():
+            param.grad = grads[name]
+        engine.scores.load_state_dict(scores)
+        model.train(kept["training"])
+
+
+def _result(rows: list[tuple[float, float]], smoothing: float, reason: str, name: str | None) -> LRFindResult:
+    frame = LRFindResult(rows, columns=["lr", "loss"])
+    avg, smoothed = 0.0, []
+    for i, value in enumerate(frame["loss"]):
+        avg = smoothing * avg + (1 - smoothing) * value
+        smoothed.append(avg / (1 - smoothing ** (i + 1)))
+    frame["smoothed_loss"] = smoothed
+    frame.suggestion = suggest(frame)
+    frame.reason = reason
+    frame.loss_name = name
+    return frame
+
+
+def suggest(frame: pd.DataFrame) -> float | None:
+    """The lr of the steepest fall of the smoothed loss over log lr, up to the loss minimum."""
+    import numpy as np
+
+    if len(frame) < 3:
+        return None
+    loss = frame["smoothed_loss"].to_numpy(dtype=float)
+    lr = frame["lr"].to_numpy(dtype=float)
+    finite = np.isfinite(loss)
+    end = int(np.nanargmin(np.where(finite, loss, np.nan))) + 1
+    if end < 3:
+        return float(lr[0])
+    slope = np.gradient(loss[:end], np.log(lr[:end]))
+    return float(lr[int(np.argmin(slope))])
+
+
+def plot_sweep(frame: Any) -> Any:
+    """Loss over lr (log axis), raw and smoothed, with the suggestion marked; axes fitted to the curve."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.2), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    name = getattr(frame, "loss_name", None) or "loss"
+    ax.plot(frame["lr"], frame["loss"], color="C0", alpha=0.3, lw=0.8, label=f"{name} (raw)")
+    ax.plot(frame["lr"], frame["smoothed_loss"], color="C0", lw=1.8, label=f"{name} (smoothed)")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel(name)
+    smoothed = frame["smoothed_loss"].to_numpy(dtype=float)
+    smoothed = smoothed[np.isfinite(smoothed)]
+    if len(smoothed):  # the divergence tail would squash the interesting part: cap at 1.5x the start
+        lo, hi = float(smoothed.min()), float(min(smoothed.max(), 1.5 * smoothed[0]))
+        pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 0.5
+        ax.set_ylim(lo - pad, hi + pad)
+    lr = getattr(frame, "suggestion", None)
+    if lr is not None:
+        ax.axvline(lr, color="C3", ls="--", lw=1, label=f"suggestion {lr:.3g}")
+    ax.legend(fontsize=9)
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    fig.tight_layout()
+    return fig

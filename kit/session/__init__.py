@@ -1,0 +1,15 @@
+"""The notebook's side of kit: :class:`Session`, an incremental facade over the engine's loop.
+
+Its rooms: the facade (:mod:`~kit.session.facade`), the loop driver that steps the engine's
+units synchronously, awaitably or in a thread (:mod:`~kit.session.loop`), break points
+(:mod:`~kit.session.breakpoints`), the session's world of RNG states and torch defaults
+(:mod:`~kit.session.world`), interrupts held to the step boundary (:mod:`~kit.session.interrupts`),
+the per-step history (:mod:`~kit.session.history`), the checkpoint browser
+(:mod:`~kit.session.checkpoint_browser`) and dropping IPython's references
+(:mod:`~kit.session.ipython_refs`).
+"""
+
+from kit.session.facade import Session, UnknownSeqTagError
+from kit.session.loop import Paused
+
+__all__ = ["Paused", "Session", "UnknownSeqTagError"]

@@ -1,0 +1,53 @@
+"""A session's world: its RNG states and torch defaults (dtype, device), swapped in around its work.
+
+A session starts from the caller's state at its first use; from then on user code of one
+session (``torch.set_default_dtype`` in ``get_model``, say) never reaches another, and two
+sessions stepped in turns in one kernel each get exactly what they would get alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from kit import rng
+
+TorchDefaults = tuple[torch.dtype, torch.device]
+
+
+class World:
+    """The RNG states and torch defaults of one session between its calls."""
+
+    def __init__(self) -> None:
+        self.rng: tuple | None = None  # None: not entered yet (the caller's state is the start)
+        self.defaults: TorchDefaults | None = None
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """This world's state in, the caller's back afterwards (also when the block raises)."""
+        outer, outer_defaults = rng.snapshot(), torch_defaults()
+        if self.rng is not None:
+            rng.restore(self.rng)
+        if self.defaults is not None:
+            set_torch_defaults(self.defaults, outer_defaults)
+        try:
+            yield
+        finally:
+            self.rng, self.defaults = rng.snapshot(), torch_defaults()
+            rng.restore(outer)
+            set_torch_defaults(outer_defaults, self.defaults)
+
+
+def torch_defaults() -> TorchDefaults:
+    return torch.get_default_dtype(), torch.get_default_device()
+
+
+def set_torch_defaults(wanted: TorchDefaults, now: TorchDefaults) -> None:
+    """Change only what differs: a default device is a global torch function mode (a cost on every op),
+    so "cpu" is set as no default device at all."""
+    if wanted[0] != now[0]:
+        torch.set_default_dtype(wanted[0])
+    if wanted[1] != now[1]:
+        torch.set_default_device(None if wanted[1] == torch.device("cpu") else wanted[1])

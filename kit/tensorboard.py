@@ -1,0 +1,118 @@
+"""TensorBoard event files from the engine's events (RETURNN's ``use_tensorboard`` / ``tensorboard_opts``).
+
+A subscriber like any view: the loop does not know it. It writes
+
+- ``train/<loss>`` and ``train/learning_rate`` every ``log_every_n_train_steps`` steps
+  (RETURNN's tags, at the global train step),
+- ``<dataset>/<score>`` for every eval score of an epoch (``dev/ce``; RETURNN's tags, at the
+  global train step of the epoch end), and ``train_epoch/<loss>`` / ``train_epoch/learning_rate``
+  for the epoch's averaged train losses and its learning rate.
+
+The log dir is ``tensorboard_opts["log_dir"]``; by default ``{model}.tensorboard/`` beside the
+checkpoints (RETURNN uses ``SummaryWriter()``'s default ``./runs/<date>_<host>``, which is
+also kit's default when ``model`` is not set). Under torchrun only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kit.errors import ConfigError
+
+logger = logging.getLogger("kit")
+
+OPTION_KEYS = ("log_every_n_train_steps", "log_dir")
+DEFAULT_LOG_EVERY = 100  # RETURNN's default
+
+
+def check_options(value: Any) -> str | None:
+    """The config registry's check of ``tensorboard_opts``: a problem string or None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        return "a dict {'log_every_n_train_steps': int, 'log_dir': str}"
+    unknown = sorted(set(value) - set(OPTION_KEYS))
+    if unknown:
+        return f"a dict with keys among {', '.join(OPTION_KEYS)} (unknown: {', '.join(map(repr, unknown))})"
+    every = value.get("log_every_n_train_steps", DEFAULT_LOG_EVERY)
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        return "log_every_n_train_steps: a positive int"
+    if not isinstance(value.get("log_dir", ""), str):
+        return "log_dir: a string"
+    return None
+
+
+def default_log_dir(model_prefix: str | None) -> str | None:
+    """``{model}.tensorboard`` beside the checkpoints; None (SummaryWriter's ``./runs/...``) without ``model``."""
+    return f"{model_prefix}.tensorboard" if model_prefix else None
+
+
+class TensorBoardLogger:
+    """Writes scalars on ``step_end`` and ``epoch_end``; :meth:`close` detaches and closes the file.
+
+    Args:
+        events: the engine's :class:`kit.events.Events` to subscribe to.
+        global_step: returns the current global train step (the x of epoch scalars).
+        log_dir: the event file directory (None: SummaryWriter's default).
+        log_every_n_train_steps: train scalars every this many steps.
+    """
+
+    def __init__(self, events: Any, global_step: Any, *, log_dir: str | None,
+                 log_every_n_train_steps: int = DEFAULT_LOG_EVERY):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # torch's writer needs the tensorboard package
+            raise ConfigError(f"config key 'use_tensorboard': {exc}; pip install 'kit-train[tensorboard]'") from None
+        self.writer = SummaryWriter(log_dir=log_dir)
+        self.log_dir: str = self.writer.log_dir
+        self.log_every = log_every_n_train_steps
+        self._events = events
+        self._global_step = global_step
+        events.on("step_end", self.on_step_end)
+        events.on("epoch_end", self.on_epoch_end)
+        events.on("train_end", self.on_train_end)
+        logger.info("TensorBoard: writing to %s", self.log_dir)
+
+    @classmethod
+    def from_config(cls, config: Any, events: Any, global_step: Any) -> TensorBoardLogger:
+        opts = config.typed_value("tensorboard_opts") or {}
+        problem = check_options(opts)
+        if problem:
+            raise ConfigError(f"config key 'tensorboard_opts': got {opts!r}, expected {problem}")
+        log_dir = opts.get("log_dir") or default_log_dir(config.typed_value("model"))
+        return cls(events, global_step, log_dir=log_dir,
+                   log_every_n_train_steps=int(opts.get("log_every_n_train_steps", DEFAULT_LOG_EVERY)))
+
+    def on_step_end(self, result: Any, **_: Any) -> None:
+        step = result.global_train_step
+        if step % self.log_every:
+            return
+        # one device→host read of this step's losses per log interval (not per step)
+        for name, value in result.losses.items():
+            self.writer.add_scalar(f"train/{name}", value, global_step=step)
+        self.writer.add_scalar("train/learning_rate", result.learning_rate, global_step=step)
+
+    def on_epoch_end(self, epoch: int, scores: dict[str, Any], **_: Any) -> None:
+        from kit.scores import split_score_key
+
+        step = int(self._global_step())
+        for key, value in scores.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if key == "learning_rate":
+                tag = "train_epoch/learning_rate"
+            else:
+                dataset, name = split_score_key(key)
+                tag = f"train_epoch/{name}" if dataset == "train" else f"{dataset}/{name}"
+            self.writer.add_scalar(tag, float(value), global_step=step)
+        self.writer.flush()  # an epoch's scalars are on disk when its score row is
+
+    def on_train_end(self, **_: Any) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        for event, fn in (("step_end", self.on_step_end), ("epoch_end", self.on_epoch_end),
+                          ("train_end", self.on_train_end)):
+            self._events.off(event, fn)
+        self.writer.close()
