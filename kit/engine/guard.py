@@ -70,6 +70,9 @@ class NonFiniteGuard:
         self._buffer_backup: list[torch.Tensor] = []
         self._opt_backup: list[torch.Tensor] = []
         self._opt_live: list[torch.Tensor] = []
+        self._opt_host: list[torch.Tensor] = []
+        # (records before the update, host-side state tensors, their values before it), since the last read
+        self._host_log: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] = []
         self._opt_state_len = -1
         self._new_state: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (flag at creation, params)
         self._depth = 0  # open deferred_reads() scopes
@@ -115,6 +118,7 @@ class NonFiniteGuard:
         self._found = self._one = self._mode = self._buffers = self._params = None
         self._records.clear()
         self._buffer_backup, self._opt_backup, self._opt_live, self._new_state = [], [], [], []
+        self._opt_host, self._host_log = [], []
         self._opt_state_len = -1
 
     def _flag(self) -> torch.Tensor:
@@ -211,11 +215,17 @@ class NonFiniteGuard:
     def _where_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], None], found: torch.Tensor) -> None:
         # torch's optimizers update their state tensors in place: the list changes only when state is added
         if len(optimizer.state) != self._opt_state_len or len(self._opt_backup) != len(self._opt_live):
-            self._opt_live = self._state_tensors(optimizer)
+            tensors = self._state_tensors(optimizer)
+            # e.g. non-capturable Adam's step counters stay on the CPU beside CUDA parameters: no select
+            # against a device flag there; a host copy per update, put back at the read instead
+            self._opt_live = [t for t in tensors if t.device == found.device]
+            self._opt_host = [t for t in tensors if t.device != found.device]
             self._opt_backup = [t.detach().clone() for t in self._opt_live]
             self._opt_state_len = len(optimizer.state)
         else:
             torch._foreach_copy_(self._opt_backup, self._opt_live)
+        if self._opt_host:
+            self._host_log.append((len(self._records), self._opt_host, [t.clone() for t in self._opt_host]))
         known = len(optimizer.state)
         step()
         with torch.no_grad():
@@ -285,8 +295,10 @@ class NonFiniteGuard:
         host_rng_kept = self._host_rng_used or _same_host_rng(self._host_rng_start, _host_rng())
         self._host_rng_used = not host_rng_kept or self._host_rng_used
         new_state, self._new_state = self._new_state, []
+        host_log, self._host_log = self._host_log, []
         if first is not None:
             self._rewind(records[first], new_state)
+            _put_back_host_state(host_log, first)
             if not host_rng_kept:
                 logger.warning("numpy's or Python's global RNG was drawn from during the %d undone step(s): "
                                "it is not put back to where it stood after the bad step (torch's RNG is)",
@@ -356,6 +368,14 @@ class NonFiniteGuard:
 def _torch_rng() -> tuple:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda
+
+
+def _put_back_host_state(host_log: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]], first: int) -> None:
+    """Host-side optimizer state as before the first update that came after the bad micro-batch."""
+    for records_before, tensors, values in host_log:
+        if records_before > first:  # this update closed the window of the bad micro-batch (or a later one)
+            torch._foreach_copy_(tensors, values)
+            return
 
 
 def restore_rng(snapshot: tuple) -> None:
