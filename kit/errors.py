@@ -47,5 +47,9 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint file is truncated, corrupt, or does not match its manifest."""
 
 
+class ScoreFileError(KitError, ValueError):
+    """A score / learning-rate file cannot be read (or would need code execution to be read); names the file."""
+
+
 class SessionStateError(KitError, RuntimeError):
     """A Session call is not allowed in the session's current state."""

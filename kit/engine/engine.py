@@ -64,6 +64,7 @@ class Engine:
         self._epoch_lr = 0.0
         self._step_lr = 0.0
         self.last_checkpoint: Any = None
+        self.prefix_lock: Any = None  # kit.checkpoints.lock.PrefixLock while this engine trains into `model`
         # a privileged subscriber (kit.debug.Debugger): called directly, so it may raise or stop
         self.debugger: Any = None
         if config.typed_value("debug_hook") is not None:  # the CLI and torchrun too; a Session installs its own
@@ -96,6 +97,12 @@ class Engine:
         if self.dist:  # one process per device (cuda:LOCAL_RANK)
             self.device, reason = self.dist.device, f"{reason}; {self.dist}"
         logger.info("device: %s (%s)", self.device, reason)
+        if start_.is_training(self):  # the optimizer's class and keywords, before data and model are built
+            from kit.engine.optimizer_check import check_optimizer
+
+            check_optimizer(self.config)
+        if self.model_prefix and start_.is_training(self) and (not self.dist or self.dist.is_main):
+            self.prefix_lock = start_.lock_prefix(self.model_prefix)  # 'model' writable and ours, before any step
         self.datasets = parts.build_datasets(self.config)
         self._attach_config_views()
         self.extern_data = parts.build_extern_data(self.config)
@@ -103,6 +110,7 @@ class Engine:
         if self.dist and not self.dist.is_main:  # rank 0 alone writes the score file
             self.scores.path = None
         start = start_.find_start(self.config, self.scores, training=start_.is_training(self))
+        start_.warn_config_changes(self.config, start)
         self.progress.epoch = start.epoch
         self.progress.global_train_step = start.global_train_step
         self.model = self._create_model(start.epoch, start.global_train_step)
@@ -262,7 +270,7 @@ class Engine:
     def _run_user_step(self, fn: Callable, ctx: RunCtx, batch: Any, *, stage: str) -> None:
         try:
             with run_ctx_scope(ctx), amp.autocast(self.device, self.amp_dtype):
-                fn(model=self.model, extern_data=batch)
+                ctx.returned = fn(model=self.model, extern_data=batch)
         except Exception as exc:
             annotate_exception(exc, stage=stage, model=self.model, batch=batch)
             self.events.emit("exception", error=exc, stage=stage, batch=batch)
@@ -356,8 +364,6 @@ class Engine:
         self._save_scores()
         if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
             self.save_checkpoint(kind="epoch", epoch=epoch)
-            if not self.dist or self.dist.is_main:
-                state.cleanup(self)
         row = self.epoch_scores(epoch)
         logger.info("finished epoch %d: %s", epoch, _format_scores(self.scores.scores(epoch)))
         self.events.emit("epoch_end", epoch=epoch, scores=row)
@@ -373,7 +379,9 @@ class Engine:
         import kit
 
         meta = {
-            "global_train_step": self.progress.global_train_step,
+            # RETURNN's meaning: the global step at the epoch's start; its end under global_train_step_end
+            "global_train_step": self.progress.epoch_start_global_step,
+            "global_train_step_end": self.progress.global_train_step,
             "effective_learning_rate": self._step_lr,
             "epoch_num_train_steps": self.accounting.num_steps,
             "epoch_train_time_secs": round(time.time() - self._epoch_start_time, 3),
@@ -461,6 +469,8 @@ class Engine:
         else:
             ckpt = state.save(self, kind=kind, epoch=epoch)
         self.last_checkpoint = ckpt
+        if not self.dist or self.dist.is_main:  # after every save, so that disk use stays bounded mid-epoch too
+            state.cleanup(self)
         self.events.emit("checkpoint_saved", checkpoint=ckpt)
         return ckpt
 
@@ -501,6 +511,9 @@ class Engine:
             view.close()
         self.views.clear()
         self.model = self.updater = self.grad_scaler = None
+        if self.prefix_lock is not None:
+            self.prefix_lock.release()
+            self.prefix_lock = None
         if self.dist:  # destroys the process group it created
             self.dist.close()
             self.dist = None
