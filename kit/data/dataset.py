@@ -217,7 +217,11 @@ def _check_seq(seq: Any, where: str | Callable[[], str], *, convert: bool = True
     """``seq`` as a dict with str keys and numpy values (``convert=False``: values as they are)."""
     if not (type(seq) is dict or isinstance(seq, Mapping)) or not seq:
         where = where if isinstance(where, str) else where()
-        raise DataError(f"{where}: expected a non-empty dict key -> array, got {type(seq).__name__}")
+        hint = ""
+        if isinstance(seq, (tuple, list)) and seq:
+            names = ", ".join(f'"{n}": {v}' for n, v in zip(("data", "classes", "extra"), "xyz"[:len(seq)]))
+            hint = f"; a sequence is a dict data key -> array: return {{{names}}} instead of a {type(seq).__name__}"
+        raise DataError(f"{where}: expected a non-empty dict key -> array, got {type(seq).__name__}{hint}")
     if not convert:
         return {k if type(k) is str else str(k): v for k, v in seq.items()}
     return {k if type(k) is str else str(k): as_numpy(v) for k, v in seq.items()}
