@@ -91,7 +91,8 @@ class Pipeline:
         self.batch_size, self.max_seqs = batch_size, max_seqs
         self.min_seq_length, self.max_seq_length = min_seq_length, max_seq_length
         self.chunking = chunking if (train or chunking_in_eval) else None
-        problem = KEYS["chunking"].check(self.chunking)
+        check_chunking = KEYS["chunking"].check
+        problem = check_chunking(self.chunking) if check_chunking is not None else None
         if problem:
             raise ConfigError(f"chunking: got {self.chunking!r}, expected {problem}")
         self.min_chunk_size = min_chunk_size
@@ -237,27 +238,28 @@ class Pipeline:
     def _renew_dataset_state(self) -> None:
         """The dataset's sequences changed for this epoch (``Dataset.init_epoch``): drop what was read of them."""
         self._lengths = None
-        self._loader = BatchLoader(self.dataset, self.extern_data)
+        self._loader = BatchLoader(self.dataset, self.extern_data, chunked=self._loader.chunked)
         if self._pool is not None:  # persistent workers hold a copy of the old dataset state
             self._pool.close()
             self._pool = WorkerPool(self._loader, self.num_workers, self._pool_opts)
 
-    def _ensure_planned(self) -> None:
+    def _ensure_planned(self) -> list[tuple[int, int]]:
+        """The current epoch's batch ranges (planned now if not yet)."""
         if self._ranges is None:
             self.set_epoch(self.epoch or 1)
+        assert self._ranges is not None
+        return self._ranges
 
     @property
     def num_batches(self) -> int:
-        self._ensure_planned()
-        return len(self._ranges)
+        return len(self._ensure_planned())
 
     def __len__(self) -> int:
         return self.num_batches
 
     def plan(self) -> list[list[batching.Entry]]:
         """The current epoch's batches as lists of ``(seq_idx, spans)`` entries (see batching)."""
-        self._ensure_planned()
-        return [self._entries[a:b] for a, b in self._ranges]
+        return [self._entries[a:b] for a, b in self._ensure_planned()]
 
     # ---- iteration -------------------------------------------------------------------
 
@@ -265,21 +267,21 @@ class Pipeline:
         return self
 
     def __next__(self) -> Batch:
-        self._ensure_planned()
-        if self.position >= len(self._ranges):
+        ranges = self._ensure_planned()
+        if self.position >= len(ranges):
             self._drop_iter()
             raise StopIteration
         if self._pool is None:
-            a, b = self._ranges[self.position]
+            a, b = ranges[self.position]
             batch = self._loader.load(self._entries[a:b], self._seq_idx[a:b])
         else:
             if self._iter is None:
-                items = [(i, self._entries[a:b]) for i, (a, b) in enumerate(self._ranges)][self.position :]
+                items = [(i, self._entries[a:b]) for i, (a, b) in enumerate(ranges)][self.position :]
                 self._iter = self._pool.start(items)
             batch = next(self._iter)
         batch.epoch, batch.batch_idx = self.epoch, self.position
         self.position += 1
-        batch.complete_frac = self.position / len(self._ranges)
+        batch.complete_frac = self.position / len(ranges)
         return batch
 
     def _drop_iter(self) -> None:
@@ -297,16 +299,15 @@ class Pipeline:
             self.epoch, self.position, self._ranges = 0, 0, None
             return
         self.set_epoch(epoch)
+        num_batches = len(self._ensure_planned())
         saved = state.get("num_batches")
-        if saved and saved != len(self._ranges):
+        if saved and saved != num_batches:
             raise DataError(
                 f"cannot resume the data position: epoch {epoch} had {saved} batches when saved, now "
-                f"{len(self._ranges)} (dataset, ordering or batch settings changed)"
+                f"{num_batches} (dataset, ordering or batch settings changed)"
             )
-        if not 0 <= position <= len(self._ranges):
-            raise DataError(
-                f"cannot resume at position {position}: epoch {epoch} has {len(self._ranges)} batches"
-            )
+        if not 0 <= position <= num_batches:
+            raise DataError(f"cannot resume at position {position}: epoch {epoch} has {num_batches} batches")
         self.position = position
 
     def close(self) -> None:
