@@ -18,7 +18,7 @@ import kit
 import kit.debug
 from kit.data import Task12AXDataset
 
-STEPS_PER_EPOCH = 7  # 40 sequences of Task12AX at batch_size=600, max_seqs=10 (offset 6: 7 in epochs 1..4)
+STEPS_PER_EPOCH = 7  # 40 sequences of Task12AX at batch_size=600, max_seqs=10; random_seed_offset 6: 7 in each epoch under RETURNN's orders
 
 
 def config(**overrides):

@@ -14,6 +14,7 @@ or in worker processes that return exactly the same batches in the same order.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -102,7 +103,9 @@ class Pipeline:
         opts = dict(dataloader_opts or {})
         self.num_workers = int(num_workers or opts.pop("num_workers", 0) or 0)
         opts.pop("num_workers", None)
-        self._loader = BatchLoader(self.dataset, self.extern_data)
+        self._loader = BatchLoader(
+            self.dataset, self.extern_data, chunked=None if self.chunking not in (None, 0, False) else False
+        )
         self._pool: WorkerPool | None = None
         self._pool_opts = opts
         if self.num_workers > 0:
@@ -110,6 +113,7 @@ class Pipeline:
             self._pool = WorkerPool(self._loader, self.num_workers, opts)
         self._lengths: dict[str, np.ndarray] | None = None
         self._entries: list[batching.Entry] = []
+        self._seq_idx = np.zeros(0, dtype=np.int64)  # the entries' sequence indices
         self._ranges: list[tuple[int, int]] | None = None
         self._iter: Iterator[Batch] | None = None
         self.epoch = 0
@@ -226,6 +230,7 @@ class Pipeline:
             )
         lens = batching.entry_lengths(entries, lengths)
         self._entries = entries
+        self._seq_idx = np.fromiter(map(itemgetter(0), entries), dtype=np.int64, count=len(entries))
         self._ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
         self.epoch, self.position = epoch, 0
 
@@ -266,7 +271,7 @@ class Pipeline:
             raise StopIteration
         if self._pool is None:
             a, b = self._ranges[self.position]
-            batch = self._loader.load(self._entries[a:b])
+            batch = self._loader.load(self._entries[a:b], self._seq_idx[a:b])
         else:
             if self._iter is None:
                 items = [(i, self._entries[a:b]) for i, (a, b) in enumerate(self._ranges)][self.position :]

@@ -37,11 +37,13 @@ What each rank does (``W`` processes, ranks ``0 .. W-1``):
   wait for each save (and fail too when rank 0's save fails). A checkpoint holds rank 0's
   state and, mid-epoch, the loss sums of all ranks so far. Every rank resumes from the same
   newest checkpoint. Ranks other than 0 log warnings and errors only.
+- **Randomness.** Each epoch reseeds from ``(random_seed, epoch, global step, rank)``, so the
+  ranks draw different dropout masks (rank 0 draws what a single process would).
 - The process group is created by the engine's set-up (or taken over when the caller already
   made one) and destroyed by ``Engine.close()`` when the engine created it.
 
 Not done here: sharded forward (``python -m kit forward`` runs the whole data on every
-rank), per-rank random streams (every rank draws the same dropout masks), agreeing across
+rank), agreeing across
 ranks on a skipped non-finite update when only one rank's reported loss is non-finite, and
 bit-exact continuation from a checkpoint saved inside an accumulation window (the open
 window's gradients of rank 0 are restored on every rank).

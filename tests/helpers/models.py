@@ -49,8 +49,7 @@ def tiny_config(model: str | None = None, **overrides: Any) -> dict[str, Any]:
         train_step=train_step,
         forward_step=forward_step,
         extern_data=Task12AXDataset.extern_data,
-        # RETURNN's random order with random_seed_offset=8 plans 19 batches in each of epochs 1..6;
-        # tests count steps (checkpoint names, global steps), so every epoch has the same count
+        # random_seed_offset 8: RETURNN's random orders give 19 batches in each of epochs 1-5 (tests count steps)
         train=Task12AXDataset(120, seed=1, seq_ordering="random", random_seed_offset=8),
         dev=Task12AXDataset(30, seed=2),
         batch_size=600,
