@@ -50,7 +50,8 @@ class Pipeline:
     Args:
         dataset: a Dataset, a ``{"class": ...}`` dict, or a map-style torch dataset.
         extern_data: the data spec; batches are validated against it (None: inferred).
-        train: chunking only applies in training (unless ``chunking_in_eval``).
+        train: chunking only applies in training unless ``chunking_in_eval`` (the config key's default
+            is True, RETURNN's torch engine; this constructor's is False).
         batch_size: frames per batch including padding, int for all time keys or per key.
         seq_ordering: overrides the dataset's own ``seq_ordering``.
         random_seed: seed of random orders, for datasets without their own ``random_seed``.

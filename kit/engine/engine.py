@@ -224,6 +224,7 @@ class Engine:
                             time.perf_counter() - t0, batch.num_seqs, batch.complete_frac, step_losses, grad_norm)
         p.step_in_epoch += 1
         p.global_train_step += 1
+        p.last_complete_frac = batch.complete_frac if batch.complete_frac is not None else p.last_complete_frac
         self.events.emit("step_end", result=result)
         if probe_lr is not None:
             return result
@@ -326,9 +327,12 @@ class Engine:
     def _set_step_learning_rate(self, batch: Any, opts: StepOptions) -> float:
         lr = self._epoch_lr
         if opts.dynamic_learning_rate is not None:
+            # RETURNN sets the lr before a step from the position after the previous one
+            # (epoch - 1 at the first step of an epoch), not from the batch about to be trained
             lr = self.lr_control.dynamic_learning_rate(
                 global_train_step=self.progress.global_train_step, epoch=self.progress.epoch,
-                epoch_continuous=self._epoch_continuous(batch), learning_rate=self._epoch_lr)
+                epoch_continuous=self.progress.epoch - 1 + self.progress.last_complete_frac,
+                learning_rate=self._epoch_lr)
         if lr != self._step_lr:
             self.updater.set_learning_rate(lr)
             self._step_lr = lr
@@ -360,6 +364,7 @@ class Engine:
         self.accounting = EpochAccounting()
         p.epoch_running, p.steps_exhausted, p.step_in_epoch = True, False, 0
         p.skipped_updates_in_epoch, p.epoch_start_global_step = 0, p.global_train_step
+        p.last_complete_frac = 0.0
         self._epoch_start_time = time.time()
         self.model.train()
         logger.info("start epoch %d, global train step %d, learning rate %g", p.epoch, p.global_train_step,

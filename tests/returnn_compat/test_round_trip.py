@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from kit.scores import parse_returnn_lr_file
-from tests.returnn_compat.helpers import FIXTURES, needs_returnn, run_python
+from tests.returnn_compat.returnn_helpers import FIXTURES, needs_returnn, run_python
 
 CONFIG = str(FIXTURES / "shared_run.config")
 
