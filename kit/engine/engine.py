@@ -28,7 +28,7 @@ from kit.engine.step import StepOptions, StepResult
 from kit.engine.user_code import annotate_exception, call_user, check_accepts_kwargs
 from kit.errors import ConfigError, DataError, KitError
 from kit.events import Events
-from kit.rng import derive_seed, get_rng_state, seed_all, set_rng_state
+from kit.rng import epoch_seed, get_rng_state, model_init_seed, seed_all, set_rng_state
 from kit.run_ctx import RunCtx, run_ctx_scope
 
 __all__ = ["Engine", "StepOptions", "StepResult"]
@@ -138,7 +138,7 @@ class Engine:
         get_model = self.config.typed_value("get_model")
         if get_model is None:
             raise ConfigError("config key 'get_model' is not set: expected get_model(*, epoch, step, **kwargs)")
-        seed_all(derive_seed(self.config.int("random_seed"), epoch, step))
+        seed_all(model_init_seed(self.config.int("random_seed"), epoch, step))  # RETURNN's: the same init
         model = call_user(get_model, "get_model", epoch=epoch, step=step)
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"config key 'get_model': returned {type(model).__name__}, expected a torch.nn.Module")
@@ -329,7 +329,7 @@ class Engine:
         # randomness depends on (random_seed, epoch, global step) only, not on process history
         # (and on the rank: DDP ranks must not all draw the same dropout masks)
         rank = (self.dist.rank,) if self.dist and self.dist.rank else ()  # rank 0 draws as one process
-        seed_all(derive_seed(self.config.int("random_seed"), p.epoch, p.global_train_step, *rank))
+        seed_all(epoch_seed(p.epoch, p.global_train_step, self.config.int("random_seed"), *rank))  # RETURNN's
         self.train_pipeline.set_epoch(p.epoch)
         self.accounting = EpochAccounting()
         p.epoch_running, p.steps_exhausted, p.step_in_epoch = True, False, 0
