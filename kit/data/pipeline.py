@@ -51,7 +51,8 @@ class Pipeline:
     Args:
         dataset: a Dataset, a ``{"class": ...}`` dict, or a map-style torch dataset.
         extern_data: the data spec; batches are validated against it (None: inferred).
-        train: chunking only applies in training (unless ``chunking_in_eval``).
+        train: chunking only applies in training unless ``chunking_in_eval`` (the config key's default
+            is True, RETURNN's torch engine; this constructor's is False).
         batch_size: frames per batch including padding, int for all time keys or per key.
         seq_ordering: overrides the dataset's own ``seq_ordering``.
         random_seed: the config's ``random_seed``; as in RETURNN it does not change the data order.
@@ -116,6 +117,7 @@ class Pipeline:
         self._entries: list[batching.Entry] = []
         self._seq_idx = np.zeros(0, dtype=np.int64)  # the entries' sequence indices
         self._ranges: list[tuple[int, int]] | None = None
+        self._fracs: list[float] = []
         self._iter: Iterator[Batch] | None = None
         self.epoch = 0
         self.position = 0
@@ -233,6 +235,7 @@ class Pipeline:
         self._entries = entries
         self._seq_idx = np.fromiter(map(itemgetter(0), entries), dtype=np.int64, count=len(entries))
         self._ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
+        self._fracs = _complete_fracs(order, self._seq_idx, self._ranges)
         self.epoch, self.position = epoch, 0
 
     def _renew_dataset_state(self) -> None:
@@ -281,7 +284,7 @@ class Pipeline:
             batch = next(self._iter)
         batch.epoch, batch.batch_idx = self.epoch, self.position
         self.position += 1
-        batch.complete_frac = self.position / len(ranges)
+        batch.complete_frac = self._fracs[self.position - 1]
         return batch
 
     def _drop_iter(self) -> None:
@@ -357,3 +360,16 @@ def batches(
     pipe = Pipeline.from_config(dataset, config, train=train, **extra)
     pipe.set_epoch(epoch)
     return pipe
+
+
+def _complete_fracs(order: Sequence[int], seq_idx: np.ndarray, ranges: Sequence[tuple[int, int]]) -> list[float]:
+    """RETURNN's ``complete_frac`` of each batch: (position of its last sequence in the epoch's order + 1)
+    / sequences in the order, as float32 (RETURNN passes it through a float32 array); 1.0 for the last
+    batch, also when length filtering removed the order's final sequences (the loop's end marker)."""
+    order_arr = np.asarray(order, dtype=np.int64)
+    where = np.empty(int(order_arr.max()) + 1, dtype=np.int64)
+    where[order_arr] = np.arange(len(order_arr))
+    fracs = [float(np.float32((where[seq_idx[b - 1]] + 1) / len(order_arr))) for _, b in ranges]
+    if fracs:
+        fracs[-1] = 1.0
+    return fracs
