@@ -267,9 +267,27 @@ def _run_notebook_and_check(page, base: str, token: str) -> None:
     assert "Error displaying widget" not in body and "Error" not in last.inner_text(), body[-2000:]
     seen = page.evaluate("window.__kitSeen")
     assert any("cannot reach" in t for t in seen), seen  # said during the blocking train_epoch(live=True)
-    # when training has ended, the last frame stays: all steps drawn, status "ready"
+    # the pause note once, as the cell's result: never (also) as a red stderr box
+    assert cells.nth(2).locator(".jp-OutputArea").inner_text().count("paused at epoch") == 1
+    stderr = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    assert stderr.filter(has_text="paused at").count() == 0
+
+    # Resume: Pause the last cell's awaited run; with the kernel free, Resume continues it on its loop
+    resume = dashboard.locator(".kit-dashboard-resume")
+    _wait_for(page, lambda: "running" in status.inner_text(), "the last cell's run", timeout=60)
+    assert resume.is_disabled()  # nothing to resume while it runs
+    pause.click(timeout=5000)
+    _wait_for(page, lambda: status.inner_text().startswith("status: paused at epoch"), "the last cell's pause",
+              timeout=60)
+    _wait_for(page, resume.is_enabled, "Resume enabled after the pause", timeout=15)
+    dashboard.scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "dashboard-paused.png"), full_page=True)
+    resume.click(timeout=5000)
+    _wait_for(page, lambda: "running" in status.inner_text(), "training again after Resume", timeout=30)
+    # when training has ended, the last frame stays: all steps drawn, status "finished"
+    _wait_for(page, lambda: "status: finished" in status.inner_text(), "the resumed run to finish", timeout=120)
     page.locator(".kit-dashboard.kit-dashboard-final").first.wait_for(timeout=30_000)
     final = page.evaluate(IMAGE_DIGEST)
     dashboard.scroll_into_view_if_needed()  # for the screenshot taken at the end
     assert final["size"] > 1000 and final["sha"] != first["sha"]
-    assert "status: ready" in status.inner_text()
+    assert resume.is_disabled()
