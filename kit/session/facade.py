@@ -68,6 +68,8 @@ class Session(TrainingLoop, Debugging):
         self.engine = Engine(self.config, events=self.events)
         self._history = History(max_rows=history_max_rows)
         self.events.on("step_end", self._history.on_step_end)
+        # a step the guard rewinds to (and every step after it) leaves the history
+        self.events.on("nonfinite", lambda error, **_: self._history.truncate_after(error.global_train_step))
         self.live = live
         self._live_dashboard: Any = None
         self._dashboards: weakref.WeakSet = weakref.WeakSet()  # every dashboard() of this session

@@ -231,14 +231,14 @@ class TrainingLoop:
             gen = units()
             while True:
                 deadline = time.monotonic() + self.yield_every_secs
-                with self._world(), self._errors_tracked():
+                with self._world(), self._errors_tracked(), self.engine.guard.deferred_reads():
                     done, result = _advance(gen, deadline)
                 if done:
                     return self._finish_run(result)
                 await asyncio.sleep(0)  # let the kernel handle widget messages (the Pause button)
 
     def _drive_all(self, units: Callable[[], Generator]) -> Any:
-        with self._world(), self._errors_tracked():
+        with self._world(), self._errors_tracked(), self.engine.guard.deferred_reads():
             return _advance(units(), None)[1]
 
     def _prepare_run(self, live: bool | None, allow_finished: bool) -> None:
