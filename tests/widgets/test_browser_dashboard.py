@@ -194,9 +194,9 @@ def _kernel_idle(base: str, token: str) -> bool:
     return any(s.get("kernel", {}).get("execution_state") == "idle" for s in sessions)
 
 
-def _open_notebook(page, base: str, token: str) -> None:
+def _open_notebook(page, base: str, token: str, notebook: str = NOTEBOOK) -> None:
     """Open the notebook and wait until its kernel is idle (accepting a kernel chooser if one shows)."""
-    page.goto(f"{base}/lab/tree/{NOTEBOOK}?token={token}")
+    page.goto(f"{base}/lab/tree/{notebook}?token={token}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
     accept = page.locator(".jp-Dialog .jp-mod-accept")
 
@@ -267,9 +267,75 @@ def _run_notebook_and_check(page, base: str, token: str) -> None:
     assert "Error displaying widget" not in body and "Error" not in last.inner_text(), body[-2000:]
     seen = page.evaluate("window.__kitSeen")
     assert any("cannot reach" in t for t in seen), seen  # said during the blocking train_epoch(live=True)
-    # when training has ended, the last frame stays: all steps drawn, status "ready"
+    # the pause note once, as the cell's result: never (also) as a red stderr box
+    assert cells.nth(2).locator(".jp-OutputArea").inner_text().count("paused at epoch") == 1
+    stderr = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    assert stderr.filter(has_text="paused at").count() == 0
+
+    # Resume: Pause the last cell's awaited run; with the kernel free, Resume continues it on its loop
+    resume = dashboard.locator(".kit-dashboard-resume")
+    _wait_for(page, lambda: "running" in status.inner_text(), "the last cell's run", timeout=60)
+    assert resume.is_disabled()  # nothing to resume while it runs
+    pause.click(timeout=5000)
+    _wait_for(page, lambda: status.inner_text().startswith("status: paused at epoch"), "the last cell's pause",
+              timeout=60)
+    _wait_for(page, resume.is_enabled, "Resume enabled after the pause", timeout=15)
+    dashboard.scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "dashboard-paused.png"), full_page=True)
+    resume.click(timeout=5000)
+    _wait_for(page, lambda: "running" in status.inner_text(), "training again after Resume", timeout=30)
+    # when training has ended, the last frame stays: all steps drawn, status "finished"
+    _wait_for(page, lambda: "status: finished" in status.inner_text(), "the resumed run to finish", timeout=120)
     page.locator(".kit-dashboard.kit-dashboard-final").first.wait_for(timeout=30_000)
     final = page.evaluate(IMAGE_DIGEST)
     dashboard.scroll_into_view_if_needed()  # for the screenshot taken at the end
     assert final["size"] > 1000 and final["sha"] != first["sha"]
-    assert "status: ready" in status.inner_text()
+    assert resume.is_disabled()
+
+
+ZERO_DIFF = re.compile(r"L2 difference to the current model 0(?![.\d])")
+CHECKPOINT_CELLS = [
+    "import tempfile\n\nimport kit\n\nworkdir = tempfile.mkdtemp(prefix='kit-checkpoints-')\n"
+    "session = kit.Session.from_config('../examples/12ax.py', model=f'{workdir}/model', num_epochs=2, live=False,\n"
+    "    train={'class': 'Task12AXDataset', 'num_seqs': 100, 'seed': 1}, log_every_n_steps=1000)\n"
+    "session.train()",
+    "widget = session.checkpoints.widget()\nwidget",
+]
+
+
+def test_checkpoint_widget_in_jupyterlab(jupyter_lab: tuple[str, str], browser_tools: str, tmp_path: Path) -> None:
+    """Export, then Restore (asks first), each action with its own message and fresh details."""
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CHECKPOINT_CELLS])
+    nbformat.write(notebook, tmp_path / "root" / "notebooks" / "checkpoints_widget.ipynb")
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=browser_tools, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            _open_notebook(page, *jupyter_lab, notebook="notebooks/checkpoints_widget.ipynb")
+            page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+            widget = page.locator(".kit-checkpoints").first
+            widget.wait_for(timeout=120_000)
+            widget.locator(".kit-ckpt-select select").select_option(index=0)  # model.001
+            _wait_for(page, lambda: "L2 difference to the current model" in widget.inner_text(), "details")
+            before = widget.inner_text()
+            assert "model.001" in before and not ZERO_DIFF.search(before)
+            widget.get_by_role("button", name="Export safetensors").click()
+            _wait_for(page, lambda: "wrote" in widget.inner_text(), "the export's message")
+            widget.get_by_role("button", name="Restore training state").click()
+            confirm = widget.get_by_role("button", name="Yes, restore")
+            confirm.wait_for(timeout=10_000)
+            assert "wrote" not in widget.inner_text()  # the previous action's message is gone
+            assert "Restore the training state of model.001?" in widget.inner_text()
+            page.screenshot(path=str(ARTIFACTS / "checkpoint-widget-confirm.png"), full_page=True)
+            confirm.click()
+            _wait_for(page, lambda: "restored the training state of model.001" in widget.inner_text(), "restored")
+            # details read again after the action: the current model is now model.001's
+            _wait_for(page, lambda: ZERO_DIFF.search(widget.inner_text()), "fresh details")
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "checkpoint-widget.png"), full_page=True)
+            browser.close()
