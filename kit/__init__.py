@@ -16,6 +16,7 @@ from kit.errors import (
     DataError,
     KitError,
     NonFiniteLossError,
+    ScoreFileError,
     SessionStateError,
     UnsafeCheckpointError,
 )
@@ -43,7 +44,7 @@ _MOVED = {"distributed": "kit.engine.distributed"}  # kit.distributed: the torch
 
 __all__ = [
     "CheckpointError", "Config", "ConfigError", "CorruptCheckpointError", "DataError", "KitError",
-    "NonFiniteLossError", "SessionStateError", "UnsafeCheckpointError", *_LAZY,
+    "NonFiniteLossError", "ScoreFileError", "SessionStateError", "UnsafeCheckpointError", *_LAZY,
 ]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import logging
 import sys
 from typing import Any
@@ -38,16 +39,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     from kit.engine.engine import Engine
 
     engine = Engine(_config(args))
+    bar = _progress_bar(engine) if not args.quiet else None
     try:
-        engine.train()
+        with bar.logging_redirected() if bar else contextlib.nullcontext():
+            engine.train()
         main = engine.dist is None or engine.dist.is_main  # under torchrun, rank 0 reports
     finally:
+        if bar:
+            bar.close()
         engine.close()
     epochs = [e for e in engine.scores.epochs if engine.scores.has_scores(e)]
     if main and epochs:  # stdout: one line for scripts (the log on stderr says the same and more)
         last = epochs[-1]
         print(f"finished epoch {last}: " + ", ".join(f"{k} {v:.4g}" for k, v in engine.scores.scores(last).items()))
     return 0
+
+
+def _progress_bar(engine: Any) -> Any:
+    """A tqdm bar when a person watches (stdout and stderr are terminals); log lines alone otherwise."""
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        return None
+    from kit.widgets.terminal import TerminalProgress
+
+    return TerminalProgress(engine.events, lambda: engine.final_epoch,
+                            is_main=lambda: engine.dist is None or engine.dist.is_main)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -97,6 +97,8 @@ class RunCtx:
     expected_outputs: Mapping[str, Any] | Sequence[str] | None = field(default=None, kw_only=True)
     losses: dict[str, Loss] = field(default_factory=dict, init=False)
     outputs: dict[str, Output] = field(default_factory=dict, init=False)
+    # what the user's step function returned: kit ignores it, but names it when no loss was marked
+    returned: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -192,17 +194,24 @@ class RunCtx:
         parts = [loss.value_for_grad() for loss in self.losses.values() if not loss.as_error]
         if not parts:
             if self.train_flag or self.stage == "train":
-                errors = ", ".join(self.losses) or "(none)"
-                raise LossError(
-                    f"train_step marked only error losses (as_error=True): {errors}; "
-                    "mark at least one differentiable loss with mark_as_loss(...)"
-                )
+                raise LossError(self._no_loss_message())
             device = next(iter(self.losses.values())).sum.device if self.losses else None
             return torch.zeros((), device=device)
         total = parts[0]
         for part in parts[1:]:
             total = total + part
         return total
+
+    def _no_loss_message(self) -> str:
+        if self.losses:
+            return (f"train_step marked only error losses (as_error=True): {', '.join(self.losses)}; "
+                    "mark at least one differentiable loss with mark_as_loss(...)")
+        message = ('train_step marked no loss: call kit.get_run_ctx().mark_as_loss(loss, "ce") inside '
+                   "train_step (per frame with reduction='none', or a scalar)")
+        if isinstance(self.returned, torch.Tensor):
+            message += ("; it returned a tensor instead, but kit ignores return values (unlike Lightning): "
+                        'replace `return loss` by kit.get_run_ctx().mark_as_loss(loss, "loss")')
+        return message
 
     # ---- outputs ----------------------------------------------------------------------
 
@@ -238,6 +247,12 @@ class RunCtx:
 
     def check_outputs(self) -> None:
         """Compare the marked outputs with ``expected_outputs``; one error naming every problem."""
+        if not self.outputs and self.stage == "forward":
+            hint = " (kit ignores return values)" if self.returned is not None else ""
+            raise DataError(
+                "forward_step marked no output" + hint + ': call kit.get_run_ctx().mark_as_output(tensor, "name") '
+                'inside forward_step, e.g. mark_as_output(logits, "logits", lengths=extern_data["data"].lengths)'
+            )
         if self.expected_outputs is None:
             return
         problems = []

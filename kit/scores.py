@@ -22,26 +22,22 @@ This module knows nothing of torch; pandas is imported only by :meth:`ScoreTable
 
 from __future__ import annotations
 
-import ast
 import copy
 import html
 import json
 import math
 import numbers
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kit.errors import KitError
+from kit.errors import KitError, ScoreFileError
 from kit.fileio import atomic_write_text
+from kit.score_parsing import FORMAT, VERSION, checked_state, parse_returnn_lr_file, parse_score_text
 
-FORMAT = "kit-scores"
-VERSION = 1
-_META_PREFIX = ":meta:"  # RETURNN stores meta inside the error dict with this prefix
-
-
-class ScoreFileError(KitError, ValueError):
-    """A score / learning-rate file cannot be read (or would need code execution to be read)."""
+__all__ = ["FORMAT", "VERSION", "ScoreFileError", "ScoreTable", "format_epoch_summary", "format_lr",
+           "format_step_line", "format_value", "parse_returnn_lr_file", "split_score_key"]
 
 
 def _empty_row() -> dict[str, Any]:
@@ -67,13 +63,14 @@ class ScoreTable:
         path = os.fspath(path)
         table = cls(path)
         try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
+            text = _read_text(path)
         except FileNotFoundError:
             if missing_ok:
                 return table
             raise
-        table.load_state_dict(_parse_text(text, path))
+        state = parse_score_text(text, path)
+        del text
+        table.set_checked_state(state)
         return table
 
     @property
@@ -181,16 +178,17 @@ class ScoreTable:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        rows: dict[int, dict[str, Any]] = {}
-        for epoch, row in dict(state.get("epochs", {})).items():
-            new = _empty_row()
-            lr = row.get("learning_rate")
-            new["learning_rate"] = None if lr is None else float(lr)
-            new["scores"] = {str(k): float(v) for k, v in dict(row.get("scores", {})).items()}
-            new["meta"] = dict(row.get("meta", {}))
-            rows[int(epoch)] = new
+        """Replace the rows; a malformed ``state`` is a :class:`~kit.errors.ScoreFileError` naming the table's file."""
+        self.set_checked_state(checked_state(state, self.path or "<state dict>"))
+
+    def set_checked_state(self, state: Mapping[str, Any]) -> None:
+        """Adopt the rows of a state that :func:`kit.score_parsing.checked_state` produced (not copied)."""
+        rows = state["epochs"]
+        for row in rows.values():
+            for key, value in _empty_row().items():
+                row.setdefault(key, value)
         self._rows = rows
-        self._error_keys = set(state.get("error_keys", ()))
+        self._error_keys = set(state["error_keys"])
 
     # ---- views --------------------------------------------------------------------------
 
@@ -215,15 +213,24 @@ class ScoreTable:
             out.append(rec)
         return out
 
-    def to_pandas(self) -> Any:
-        """A ``pandas.DataFrame`` indexed by ``epoch``, one column per lr / score / meta key."""
+    def to_pandas(self, part: str = "all") -> Any:
+        """A ``pandas.DataFrame`` indexed by ``epoch``, one column per lr / score / meta key.
+
+        ``part``: ``"all"`` (every column, as the file), ``"scores"`` (learning rate and scores,
+        what ``session.scores`` shows) or ``"meta"`` (the run's metadata: steps, times, host, versions).
+        """
         import pandas as pd
 
+        if part not in ("all", "scores", "meta"):
+            raise ValueError(f"ScoreTable.to_pandas(part={part!r}): expected 'all', 'scores' or 'meta'")
         columns = self.columns()
         # a row that only holds the learning rate of an epoch not finished yet is not an epoch's row
         records = [r for r in self.records() if self._rows[r["epoch"]]["scores"] or self._rows[r["epoch"]]["meta"]]
-        frame = pd.DataFrame.from_records(records, columns=["epoch", *columns])
-        return frame.set_index("epoch")
+        frame = pd.DataFrame.from_records(records, columns=["epoch", *columns]).set_index("epoch")
+        if part == "all":
+            return frame
+        scores = ["learning_rate", *(k for k in columns if k in self._all_score_keys())]
+        return frame[scores] if part == "scores" else frame[[c for c in columns if c not in scores]]
 
     def __repr__(self) -> str:
         where = f" {self.path}" if self.path else ""
@@ -253,6 +260,21 @@ class ScoreTable:
         return {k for e in self.epochs for k in self._rows[e]["scores"]}
 
 
+def _read_text(path: str) -> str:
+    """The file's text; a FIFO, a folder or non-UTF-8 bytes give a ScoreFileError (never a blocking read)."""
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise ScoreFileError(f"score file '{path}': not a regular file")
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ScoreFileError(f"score file '{path}', line {line}: not UTF-8 text (byte {data[e.start]:#04x} "
+                             f"at offset {e.start})") from None
+
+
 def _meta_column(key: str, taken: set[str]) -> str:
     return f"meta:{key}" if key in taken else key
 
@@ -265,116 +287,6 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, numbers.Real):
         return float(value)
     return repr(value)
-
-
-# ---- parsing ----------------------------------------------------------------------------
-
-
-def _parse_text(text: str, path: str) -> dict[str, Any]:
-    stripped = text.strip()
-    if not stripped:
-        return {"epochs": {}, "error_keys": []}
-    try:
-        data = json.loads(stripped)
-    except ValueError:
-        return parse_returnn_lr_file(stripped, path)
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ScoreFileError(
-            f'score file \'{path}\': JSON but not a kit score table (no "format": "{FORMAT}")'
-        )
-    if data.get("version", VERSION) > VERSION:
-        raise ScoreFileError(
-            f"score file '{path}': version {data['version']} is newer than this kit ({VERSION})"
-        )
-    return data
-
-
-def parse_returnn_lr_file(text: str, path: str = "<text>") -> dict[str, Any]:
-    """Parse RETURNN's learning-rate file into a ScoreTable state dict, without evaluating it.
-
-    Accepts ``{epoch: EpochData(learningRate=.., error={..}), ...}`` with ``nan``/``inf``;
-    ``:meta:`` entries of ``error`` become meta; an old-format float error becomes
-    ``old_format_score``. Anything else (calls, attributes, imports) is refused.
-    """
-    try:
-        tree = ast.parse(text, filename=path, mode="eval")
-    except SyntaxError as exc:
-        raise ScoreFileError(
-            f"score file '{path}': neither kit JSON nor a RETURNN learning-rate file ({exc.msg})"
-        ) from None
-    if not isinstance(tree.body, ast.Dict):
-        raise ScoreFileError(
-            f"score file '{path}': refused {_snippet(tree.body)!r}; expected a dict epoch -> EpochData(...)"
-        )
-    epochs = {}
-    for key_node, value_node in zip(tree.body.keys, tree.body.values):
-        epoch = _literal(key_node, path)
-        if isinstance(epoch, bool) or not isinstance(epoch, int):
-            raise ScoreFileError(f"score file '{path}': epoch keys must be ints, got {epoch!r}")
-        epochs[epoch] = _epoch_data(value_node, path)
-    return {"epochs": epochs, "error_keys": []}
-
-
-def _epoch_data(node: ast.AST, path: str) -> dict[str, Any]:
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "EpochData"):
-        raise ScoreFileError(
-            f"score file '{path}': refused {_snippet(node)!r}; only EpochData(...) entries are allowed"
-        )
-    if node.args:
-        raise ScoreFileError(f"score file '{path}': EpochData takes keyword arguments only")
-    kwargs = {kw.arg: _literal(kw.value, path) for kw in node.keywords}
-    lr = kwargs.pop("learningRate", kwargs.pop("learning_rate", None))
-    error = kwargs.pop("error", None)
-    meta = dict(kwargs.pop("meta", None) or {})
-    if kwargs:
-        raise ScoreFileError(f"score file '{path}': unexpected EpochData arguments {sorted(kwargs)}")
-    if isinstance(error, (int, float)) and not isinstance(error, bool):
-        error = {"old_format_score": error}
-    if error is not None and not isinstance(error, dict):
-        raise ScoreFileError(f"score file '{path}': EpochData error must be a dict, got {error!r}")
-    scores = {}
-    for k, v in (error or {}).items():
-        if isinstance(k, str) and k.startswith(_META_PREFIX):
-            meta[k[len(_META_PREFIX) :]] = v
-        else:
-            scores[k] = v
-    return {"learning_rate": lr, "scores": scores, "meta": meta}
-
-
-_NAMES = {
-    "nan": math.nan,
-    "inf": math.inf,
-    "NaN": math.nan,
-    "Infinity": math.inf,
-    "None": None,
-    "True": True,
-    "False": False,
-}
-
-
-def _literal(node: ast.AST, path: str) -> Any:
-    """Like ``ast.literal_eval`` plus the names nan/inf; everything else is refused."""
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Name) and node.id in _NAMES:
-        return _NAMES[node.id]
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value = _literal(node.operand, path)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return -value if isinstance(node.op, ast.USub) else value
-    if isinstance(node, ast.Dict) and None not in node.keys:
-        return {_literal(k, path): _literal(v, path) for k, v in zip(node.keys, node.values)}
-    if isinstance(node, (ast.List, ast.Tuple)):
-        items = [_literal(x, path) for x in node.elts]
-        return items if isinstance(node, ast.List) else tuple(items)
-    raise ScoreFileError(
-        f"score file '{path}': refused {_snippet(node)!r}; only literals are allowed (never evaluated)"
-    )
-
-
-def _snippet(node: ast.AST) -> str:
-    text = ast.unparse(node)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ---- log lines --------------------------------------------------------------------------

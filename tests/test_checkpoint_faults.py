@@ -10,22 +10,27 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import slow_writes
 from helpers.faults import (
+    CODE_CARRYING_KINDS,
     FailAfterNBytes,
     InjectedCrash,
     crash_writes_after,
     fail_writes_after,
     flip_byte,
     truncate_file,
+    write_code_carrying_file,
     write_malicious_checkpoint,
 )
 from helpers.models import tiny_config
 
 import kit
 import kit.checkpoints as ck
+from kit.engine.engine import Engine
 from kit.fileio import TEMP_MARK
 
 
@@ -259,8 +264,9 @@ def test_kill_9_during_save(tmp_model_prefix):
     e1 = save(tmp_model_prefix, 1)
     before = digests(e1)
     env = {**os.environ, "KIT_TEST_SLOW_WRITE_SECS": "30"}
+    code = slow_writes.code(str(Path(__file__).resolve().parent)) + "\n" + _SLOW_SAVE
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_SAVE, str(tmp_model_prefix)], env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", code, str(tmp_model_prefix)], env=env, stdout=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout.readline().strip() == "saving"
@@ -280,3 +286,130 @@ def test_kill_9_during_save(tmp_model_prefix):
     assert not [c for c in ck.list_checkpoints(str(tmp_model_prefix)) if c.epoch == 2 and c.complete]
     save(tmp_model_prefix, 2)  # ... which the next save removes
     assert temp_files(tmp_model_prefix.parent) == []
+
+
+# ---- every code-carrying file format on every load path --------------------------------------------
+
+
+def _plant(prefix: str, marker, kind: str, which: int, *, fix_manifest: bool = True) -> None:
+    """Epoch 1 good, epoch 2's model (0) or training-state (1) file replaced by a code-carrying file."""
+    from helpers.models import TinyModel
+
+    for epoch in (1, 2):
+        ck.save(prefix, epoch=epoch, model_state=TinyModel().state_dict(), train_state={"progress": {}},
+                global_train_step=epoch)
+    paths = ck.checkpoint_paths(prefix, 2)
+    tmp = write_code_carrying_file(paths[which] + ".payload", marker, kind)
+    os.replace(tmp, paths[which])
+    if fix_manifest:  # only unpickling can tell
+        import json
+
+        manifest = json.loads(open(paths[2]).read())
+        data = open(paths[which], "rb").read()
+        manifest["files"]["model" if which == 0 else "train_state"].update(
+            size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        open(paths[2], "w").write(json.dumps(manifest))
+
+
+def _engine_with(tmp_path, **keys):
+    return Engine(kit.Config(tiny_config(str(tmp_path / "run" / "model"), **keys)))
+
+
+def _load_paths(tmp_path, kind, marker):
+    """name -> a call that must raise UnsafeCheckpointError for a ``kind`` file."""
+    evil = write_code_carrying_file(tmp_path / "evil.pt", marker, kind)
+    prefix = str(tmp_path / "ckpt" / "model")
+
+    def resumed(task=None):
+        def run():
+            _plant(prefix, marker, kind, 0)
+            engine = Engine(kit.Config(tiny_config(prefix)))
+            if task:
+                engine.task = task
+            engine.setup()
+        return run
+
+    def eval_load():
+        engine = _engine_with(tmp_path, load=evil)
+        engine.task = "eval"
+        engine.setup()
+
+    paths = {
+        "checkpoints.load": lambda: ck.load(evil),
+        "preload_from_files": lambda: ck.preload_from_files(
+            torch.nn.Linear(2, 2), {"x": {"filename": evil, "init_for_train": True}}),
+        "config load": lambda: _engine_with(tmp_path, load=evil).setup(),
+        "config import_model_train_epoch1": lambda: _engine_with(tmp_path, import_model_train_epoch1=evil).setup(),
+        "config load (eval)": eval_load,
+    }
+    if kind == "pickle-in-safetensors":  # a checkpoint's files are .pt: planted there, it is a plain pickle
+        return paths
+
+    def load_checkpoint(which, fix=True):
+        def run():
+            _plant(prefix, marker, kind, which, fix_manifest=fix)
+            ck.load_checkpoint(next(c for c in ck.list_checkpoints(prefix) if c.epoch == 2))
+        return run
+
+    def load_latest(fix):
+        def run():
+            _plant(prefix, marker, kind, 0, fix_manifest=fix)
+            ck.load_latest(prefix)  # must stop, not fall back to epoch 1
+        return run
+
+    paths.update({
+        "load_checkpoint model file": load_checkpoint(0),
+        "load_checkpoint training state": load_checkpoint(1),
+        "load_latest (manifest matches)": load_latest(True),
+        "load_latest (manifest does not match)": load_latest(False),
+        "resume (newest checkpoint)": resumed(),
+        "eval (newest checkpoint)": resumed("eval"),
+    })
+    return paths
+
+
+_PAYLOAD_TALLY: dict[str, list[str]] = {"tried": [], "executed": [], "not refused": []}
+
+
+@pytest.mark.parametrize("kind", CODE_CARRYING_KINDS)
+def test_every_code_carrying_file_is_refused_on_every_load_path(tmp_path, kind):
+    marker = tmp_path / "pwned"
+    refused_wrongly = []
+    for name, call in _load_paths(tmp_path, kind, marker).items():
+        _PAYLOAD_TALLY["tried"].append(f"{kind} / {name}")
+        try:
+            call()
+        except kit.UnsafeCheckpointError as e:
+            assert "could run code" in str(e) or "carries code" in str(e) or "code execution" in str(e) \
+                or "not unpickled" in str(e) or "safetensors" in str(e), (name, str(e))
+        except Exception as e:  # noqa: BLE001 - collected and reported below
+            refused_wrongly.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+        else:
+            refused_wrongly.append(f"{name}: loaded")
+        if marker.exists():
+            _PAYLOAD_TALLY["executed"].append(f"{kind} / {name}")
+            marker.unlink()
+    _PAYLOAD_TALLY["not refused"] += refused_wrongly
+    print(f"\ncode-carrying files: {len(_PAYLOAD_TALLY['executed'])} executed, "
+          f"{len(_PAYLOAD_TALLY['not refused'])} not refused as unsafe, of {len(_PAYLOAD_TALLY['tried'])} tried")
+    assert not _PAYLOAD_TALLY["executed"]
+    assert not refused_wrongly, refused_wrongly
+
+
+def test_the_code_carrying_scan_passes_kit_and_torch_files(tmp_path):
+    """Negative control: ordinary files (zip and legacy format, plain pickles of data) are not called unsafe."""
+    import pickle
+
+    from kit.checkpoints.safety import code_carrying_reason
+
+    torch.save({"model": {"w": torch.arange(3.0)}, "n": 1}, tmp_path / "zip.pt")
+    torch.save({"model": {"w": torch.arange(3.0)}}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    with open(tmp_path / "data.pkl", "wb") as f:
+        pickle.dump({"a": [1, 2.0, "x"]}, f, protocol=4)
+    for name in ("zip.pt", "old.pt", "data.pkl"):
+        assert code_carrying_reason(str(tmp_path / name)) is None, name
+    with open(tmp_path / "p4.pt", "wb") as f:  # torch refuses protocol 4; kit says corrupt, not unsafe
+        pickle.dump({"a": 1}, f, protocol=4)
+    with pytest.raises(kit.CorruptCheckpointError) as info:
+        ck.load(str(tmp_path / "p4.pt"))
+    assert not isinstance(info.value, kit.UnsafeCheckpointError)

@@ -205,3 +205,95 @@ def test_epoch_summary_groups_by_dataset():
         learning_rate=1e-3,
     )
     assert line == "ep 3, lr 0.001, train: score ce 0.500 error fer 0.100, dev: score ce 0.600"
+
+
+# ---- corrupt files: always a ScoreFileError naming the file and what is wrong ---------------------------
+
+_KIT = '{"format": "kit-scores", "version": 1, "error_keys": [], "epochs": %s}'
+
+
+def _kit(epochs: str) -> bytes:
+    return (_KIT % epochs).encode()
+
+
+CORRUPT_SCORE_FILES = {
+    "JSON nested 100k deep": (_kit("[" * 100_000), "nested too deeply"),
+    "legacy nested 100k deep": (b"{1: EpochData(learningRate=0.1, error=" + b"[" * 100_000, "nested deeper"),
+    "non-UTF-8 byte": (LEGACY.encode().replace(b"dev_score", b"dev_sc\xffore"), "not UTF-8 text"),
+    "JSON lr a string": (_kit('{"1": {"learning_rate": "0.1", "scores": {}}}'), "learning rate is '0.1'"),
+    "legacy lr a string": (b"{1: EpochData(learningRate='fast', error={})}", "learning rate is 'fast'"),
+    "JSON lr of 400 digits": (_kit('{"1": {"learning_rate": 1%s}}' % ("0" * 399)), "400 digits"),
+    "legacy lr of 400 digits": (b"{1: EpochData(learningRate=1%s, error={})}" % (b"0" * 399), "400 digits"),
+    "legacy number of 5000 digits": (b"{1: EpochData(learningRate=1%s)}" % (b"0" * 5000), "not readable"),
+    "legacy complex number": (b"{1: EpochData(learningRate=1j)}", "not a number"),
+    "JSON row a list": (_kit('{"1": [0.1, {}]}'), "the row is a list"),
+    "JSON epochs a list": (_kit('[{"learning_rate": 0.1}]'), "'epochs' is a list"),
+    "JSON scores a list": (_kit('{"1": {"scores": [1, 2]}}'), "scores is a list"),
+    "JSON score a string": (_kit('{"1": {"scores": {"dev": "x"}}}'), "score 'dev' is 'x'"),
+    "JSON epoch key a word": (_kit('{"one": {}}'), "not an epoch number"),
+    "JSON error_keys a number": (b'{"format": "kit-scores", "error_keys": 3, "epochs": {}}', "'error_keys' is 3"),
+    "JSON version a string": (b'{"format": "kit-scores", "version": "1", "epochs": {}}', "version is '1'"),
+    "legacy error a list": (b"{1: EpochData(learningRate=0.1, error=[1])}", "error must be a dict"),
+    "legacy unterminated": (b"{1: EpochData(learningRate=0.1, error={'a': 1}", "expected ','"),
+    "legacy text after the table": (b"{1: EpochData(learningRate=0.1)} import os", "after the closing brace"),
+    "legacy dict key a list": (b"{1: EpochData(error={[1]: 2})}", "key cannot be a list"),
+    "truncated JSON": (_kit('{"1": {"learning_rate": 0.'), "invalid JSON at line 1"),
+}
+_SCORE_TALLY = {"tried": 0, "named": 0}
+
+
+@pytest.mark.parametrize("case", list(CORRUPT_SCORE_FILES))
+def test_a_corrupt_score_file_is_a_score_file_error_naming_it(tmp_path, case):
+    import kit
+
+    data, expected = CORRUPT_SCORE_FILES[case]
+    path = tmp_path / "model.scores.json"
+    path.write_bytes(data)
+    _SCORE_TALLY["tried"] += 1
+    with pytest.raises(kit.ScoreFileError) as info:
+        ScoreTable.load(path)
+    assert str(path) in str(info.value) and expected in str(info.value), str(info.value)[:300]
+    assert len(str(info.value)) < 500
+    _SCORE_TALLY["named"] += 1
+    print(f"\ncorrupt score files: {_SCORE_TALLY['named']} named errors / {_SCORE_TALLY['tried']} tried")
+
+
+def test_a_score_file_that_is_a_fifo_does_not_block(tmp_path):
+    path = tmp_path / "scores.json"
+    os.mkfifo(path)
+    with pytest.raises(ScoreFileError, match="not a regular file"):
+        ScoreTable.load(path)
+
+
+def test_score_file_error_is_public_and_a_kit_error():
+    import kit
+    import kit.errors
+
+    assert kit.ScoreFileError is kit.errors.ScoreFileError is ScoreFileError
+    assert issubclass(ScoreFileError, kit.KitError)
+
+
+def test_the_legacy_parser_reads_what_ast_reads():
+    """Negative control for the hand-written parser: strings with escapes, tuples, signs, nested meta."""
+    from kit.scores import parse_returnn_lr_file
+
+    text = ("{\n  1: EpochData(learningRate=1e-3, error={'dev_score': -0.5, 'a\\'b': +2, \"x\": 1_000,\n"
+            "  ':meta:shape': (1, 2), ':meta:one': (3,), ':meta:nested': {'k': [None, True, -inf]}}),\n"
+            "  2: EpochData(learningRate=.5, error=0.25),  # old format\n}")
+    state = parse_returnn_lr_file(text)
+    assert state["epochs"][1] == {"learning_rate": 1e-3, "scores": {"dev_score": -0.5, "a'b": 2, "x": 1000},
+                                  "meta": {"shape": (1, 2), "one": (3,), "nested": {"k": [None, True, -math.inf]}}}
+    assert state["epochs"][2] == {"learning_rate": 0.5, "scores": {"old_format_score": 0.25}, "meta": {}}
+
+
+def test_the_fast_row_path_gives_what_the_general_parser_gives(monkeypatch):
+    import re
+
+    from kit import score_parsing
+
+    rows = LEGACY + "\n"  # RETURNN's usual rows: the regex fast path takes them
+    fast = score_parsing.parse_returnn_lr_file(rows.strip())
+    monkeypatch.setattr(score_parsing, "_FAST_ROW", re.compile(r"(?!)"))
+    general = score_parsing.parse_returnn_lr_file(rows.strip())
+    assert repr(fast) == repr(general)  # repr: nan == nan
+    assert fast["epochs"][1]["meta"] == {"effective_learning_rate": 0.001}

@@ -8,42 +8,25 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kit.checkpoints.files import Checkpoint, delete, list_checkpoints
+from kit.config.keys import CLEANUP_DEFAULTS, cleanup_problems
 from kit.errors import ConfigError
 
 logger = logging.getLogger("kit")
-
-_CLEANUP_DEFAULTS = {"keep_last_n": 2, "keep_best_n": 4, "keep": (), "dry_run": False}
-
 
 def _cleanup_options(options: dict | bool) -> dict | None:
     if options is False or options is None:
         return None
     if options is True:
         options = {}
-    if not isinstance(options, Mapping):
-        raise ConfigError(f"cleanup_old_models must be a dict or bool, got {type(options).__name__}")
-    problems = [
-        f"cleanup_old_models: unknown option {k!r} (known: {', '.join(_CLEANUP_DEFAULTS)})"
-        for k in options
-        if k not in _CLEANUP_DEFAULTS
-    ]
-    opts = {**_CLEANUP_DEFAULTS, **options}
-    best = opts["keep_best_n"]
-    for name, n in [("keep_last_n", opts["keep_last_n"])] + (
-        [(f"keep_best_n[{k!r}]", v) for k, v in best.items()]
-        if isinstance(best, Mapping)
-        else [("keep_best_n", best)]
-    ):
-        if not isinstance(n, int) or n < 0:
-            problems.append(f"cleanup_old_models: {name} must be an int >= 0, got {n!r}")
+    problems = cleanup_problems(options)  # the same check as when the config is read
     if problems:
         raise ConfigError(problems)
-    return opts
+    return {**CLEANUP_DEFAULTS, **options}
 
 
 def _best_epochs(epochs: list[int], scores: Mapping[int, Mapping[str, float]], keep_best_n: Any) -> set[int]:
     keys = sorted({k for e in epochs for k in scores.get(e, {})})
-    keep = set()
+    keep: set[int] = set()
     for key in keys:
         n = keep_best_n.get(key, 0) if isinstance(keep_best_n, Mapping) else keep_best_n
         valued = [
@@ -67,7 +50,9 @@ def cleanup(
     Options: ``keep_last_n`` (2), ``keep_best_n`` (4 per score key, lower is better; or a dict
     key -> n), ``keep`` (epochs), ``dry_run``. Never removed: the newest complete checkpoint,
     ``protect``, and incomplete checkpoints not older than it (they may be a save in progress).
-    Step checkpoints older than the newest epoch checkpoint go; newer ones follow ``keep_last_n``.
+    ``keep_last_n`` applies to epoch checkpoints (as in RETURNN) and, separately, to the step
+    checkpoints newer than the newest epoch checkpoint; older step checkpoints go. kit runs this
+    after every save (step saves too), so that disk use stays bounded during an epoch.
     Training-state files go with their checkpoint.
     """
     opts = _cleanup_options(options)
@@ -81,21 +66,13 @@ def cleanup(
     protected = {c.path for c in protect} | {newest.path}
     epoch_ckpts = [c for c in complete if c.kind == "epoch"]
     epochs = sorted(c.epoch for c in epoch_ckpts)
-    keep_epochs = set(opts["keep"]) | set(
-        epochs[len(epochs) - opts["keep_last_n"] :] if opts["keep_last_n"] else ()
-    )
+    keep_epochs = set(opts["keep"]) | set(epochs[len(epochs) - opts["keep_last_n"]:] if opts["keep_last_n"] else ())
     keep_epochs |= _best_epochs(epochs, scores or {}, opts["keep_best_n"])
     newest_epoch_key = epoch_ckpts[-1].sort_key if epoch_ckpts else None
-    recent_steps = [
-        c
-        for c in complete
-        if c.kind == "step" and (newest_epoch_key is None or c.sort_key > newest_epoch_key)
-    ]
-    keep_steps = (
-        {c.path for c in recent_steps[len(recent_steps) - opts["keep_last_n"] :]}
-        if opts["keep_last_n"]
-        else set()
-    )
+    # the step checkpoints of the epoch in progress: their own last n (older ones are superseded)
+    recent_steps = [c for c in complete
+                    if c.kind == "step" and (newest_epoch_key is None or c.sort_key > newest_epoch_key)]
+    keep_last = {c.path for c in recent_steps[len(recent_steps) - opts["keep_last_n"]:]} if opts["keep_last_n"] else set()
     removable = []
     for c in ckpts:
         if c.path in protected:
@@ -105,7 +82,7 @@ def cleanup(
         elif c.kind == "epoch":
             ok = c.epoch not in keep_epochs
         else:
-            ok = c.path not in keep_steps
+            ok = c.path not in keep_last
         if ok:
             removable.append(c)
     for c in removable:

@@ -8,11 +8,9 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import re
 import threading
 import time
-import zipfile
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
@@ -20,6 +18,14 @@ import torch
 
 from kit import fileio
 from kit.checkpoints.naming import checkpoint_file_pattern, checkpoint_paths
+from kit.checkpoints.manifest import read_manifest_file
+from kit.checkpoints.safe_load import (  # noqa: F401 - public names of this module before the split
+    CheckpointNotFoundError,
+    NotSafetensorsError,
+    export_safetensors,
+    load,
+    refuse_if_code_carrying,
+)
 from kit.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
 logger = logging.getLogger("kit")
@@ -27,14 +33,6 @@ logger = logging.getLogger("kit")
 MANIFEST_FORMAT = 1
 _KINDS = ("step", "epoch")  # order at equal global step: a step checkpoint is older than the epoch one
 _HASH_CHUNK = 8 << 20
-
-
-class NotSafetensorsError(CorruptCheckpointError, UnsafeCheckpointError):
-    """A ``.safetensors`` path holds something else (e.g. a pickle); it is never unpickled."""
-
-
-class CheckpointNotFoundError(CorruptCheckpointError, FileNotFoundError):
-    """A file a checkpoint needs is not there."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -89,7 +87,11 @@ class Checkpoint:
 
 
 def list_checkpoints(prefix: str) -> list[Checkpoint]:
-    """Every checkpoint of ``prefix`` with at least one file present, oldest first."""
+    """Every checkpoint of ``prefix`` with at least one file present, oldest first.
+
+    Never raises or blocks on what the files hold: a malformed manifest only makes its
+    checkpoint's step unknown here (loading it then says what is wrong).
+    """
     directory = os.path.dirname(prefix) or "."
     if not os.path.isdir(directory):
         return []
@@ -109,8 +111,8 @@ def _make_checkpoint(prefix: str, epoch: int, step: int | None) -> Checkpoint:
     complete = os.path.exists(manifest_path)
     if kind == "epoch" and complete:
         try:
-            step = int(_read_json(manifest_path)["global_train_step"])
-        except (OSError, ValueError, KeyError, TypeError):
+            step = read_manifest_file(manifest_path)["global_train_step"]
+        except CorruptCheckpointError:
             step = None
     return Checkpoint(epoch, step, kind, path, opt_path, manifest_path, complete)
 
@@ -205,11 +207,14 @@ def save(
     kind: str = "epoch",
     config_digest: str = "",
     extra_meta: dict | None = None,
+    config_keys: Mapping[str, str] | None = None,
 ) -> Checkpoint:
     """Write a checkpoint: model file, training-state file, then the manifest that completes it.
 
     A crash at any point leaves every earlier checkpoint untouched and this one incomplete
-    (it does not count). Temp files left by an earlier crash are removed first.
+    (it does not count). Temp files left by an earlier crash of a writer of this prefix are
+    removed first (never those of another prefix, nor of a live writer). ``config_keys``: a
+    digest per config key, so that a resume can name the keys that changed.
     """
     import kit
 
@@ -223,7 +228,8 @@ def save(
         prefix, epoch, global_train_step=global_train_step, kind=kind
     )
     directory = os.path.dirname(os.path.abspath(path))
-    for stale in fileio.remove_stale_temp_files(directory, os.path.basename(prefix)):
+    pattern = checkpoint_file_pattern(prefix)
+    for stale in fileio.remove_stale_temp_files(directory, lambda name: pattern.match(name) is not None):
         logger.info("Removed temp file of an interrupted write: %s", stale)
     if os.path.exists(manifest_path):
         # Overwriting: un-complete the old one first, so that no manifest ever describes mixed files.
@@ -259,6 +265,7 @@ def save(
             "kit_version": kit.__version__,
             "torch_version": torch.__version__,
             "config_digest": config_digest,
+            "config_keys": dict(config_keys or {}),
             "effective_learning_rate": effective_learning_rate,
             "time": now,
             "time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
@@ -269,120 +276,12 @@ def save(
     return Checkpoint(int(epoch), int(global_train_step), kind, path, opt_path, manifest_path, True)
 
 
-def export_safetensors(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor], path: str) -> str:
-    """Write the weights as a ``.safetensors`` file (atomically); returns ``path``."""
-    st = _import_safetensors()
-    state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
-    tensors, seen = {}, set()
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"export_safetensors: {key!r} is a {type(value).__name__}, not a tensor")
-        t = value.detach().cpu().contiguous()
-        if t.numel() and t.untyped_storage().data_ptr() in seen:
-            t = t.clone()  # safetensors refuses shared storage (tied weights)
-        seen.add(t.untyped_storage().data_ptr())
-        tensors[key] = t
-    import kit
-
-    data = st.save(tensors, metadata={"format": "pt", "kit_version": kit.__version__})
-    fileio.atomic_write_bytes(path, data)
-    return path
-
-
-# ----------------------------------------------------------------------------------------------
-# loading
-
-
-def load(path: str | os.PathLike, *, unsafe_trust: bool = False, map_location: Any = "cpu") -> Any:
-    """Load one file safely: ``torch.load(weights_only=True)``, or safetensors by content.
-
-    Raises:
-        UnsafeCheckpointError: the file needs code execution to unpickle (the global is named).
-        CorruptCheckpointError: truncated, corrupt or missing file.
-
-    Only ``unsafe_trust=True`` unpickles arbitrary objects; do that only for files you trust.
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise CheckpointNotFoundError(f"Checkpoint file not found: {path}")
-    if path.endswith(".safetensors"):
-        return _load_safetensors(path, map_location)
-    if unsafe_trust:
-        logger.warning(
-            "Loading %s with weights_only=False (unsafe_trust=True): this runs any code the file contains",
-            path,
-        )
-    try:
-        return torch.load(path, map_location=map_location, weights_only=not unsafe_trust)  # noqa: S614
-    except pickle.UnpicklingError as e:
-        # torch words it "Unsupported global: GLOBAL os.system ..." or "unsupported GLOBAL posix.system whose
-        # module posix is blocked"
-        match = re.search(r"GLOBAL ([\w.]+)", str(e))
-        if match:
-            raise UnsafeCheckpointError(
-                f"Refused to load {path}: unpickling it needs the global {match.group(1)!r}, which could run "
-                f"code. kit's own checkpoints never need that. If you trust the file, use "
-                f"kit.checkpoints.load(path, unsafe_trust=True)."
-            ) from None
-        raise CorruptCheckpointError(
-            f"Cannot load {path}: corrupt or not loadable safely ({_first_line(e)})"
-        ) from e
-    except (RuntimeError, EOFError, zipfile.BadZipFile, UnicodeDecodeError, ValueError, OSError) as e:
-        raise CorruptCheckpointError(
-            f"Cannot load {path}: the file is truncated or corrupt ({type(e).__name__}: {_first_line(e)})"
-        ) from e
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:300]
-
-
-def _import_safetensors() -> Any:
-    try:
-        import safetensors.torch
-    except ImportError as e:
-        raise CheckpointError(
-            "Reading/writing .safetensors files needs the optional package "
-            "'safetensors' (pip install safetensors)"
-        ) from e
-    return safetensors.torch
-
-
-def _load_safetensors(path: str, map_location: Any) -> dict[str, torch.Tensor]:
-    with open(path, "rb") as f:
-        head = f.read(9)
-    if head[:2] == b"PK" or head[:1] == b"\x80":
-        raise NotSafetensorsError(
-            f"{path} is named .safetensors but holds a {'zip (torch.save)' if head[:2] == b'PK' else 'pickle'} "
-            f"file; it was not unpickled. Rename it to .pt to load it with weights_only=True."
-        )
-    if len(head) < 9 or head[8:9] != b"{":
-        raise NotSafetensorsError(f"{path} is not a valid safetensors file (bad header)")
-    st = _import_safetensors()
-    device = str(map_location) if isinstance(map_location, (str, torch.device)) else "cpu"
-    try:
-        return st.load_file(path, device=device)
-    except Exception as e:  # safetensors raises its own SafetensorsError for bad files
-        raise CorruptCheckpointError(
-            f"Cannot load {path}: corrupt safetensors file ({_first_line(e)})"
-        ) from e
-
-
-def _read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def _read_manifest(ckpt: Checkpoint) -> dict:
-    if not os.path.exists(ckpt.manifest_path):
+    if not os.path.lexists(ckpt.manifest_path):
         raise CorruptCheckpointError(
             f"Checkpoint {ckpt.name} is incomplete: manifest {ckpt.manifest_path} missing"
         )
-    try:
-        manifest = _read_json(ckpt.manifest_path)
-        manifest["files"]["model"]["sha256"]  # noqa: B018 - shape check
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"Manifest {ckpt.manifest_path} is unreadable ({e!r})") from e
+    manifest = read_manifest_file(ckpt.manifest_path)
     if manifest.get("epoch") != ckpt.epoch or manifest.get("kind") != ckpt.kind:
         raise CorruptCheckpointError(
             f"Manifest {ckpt.manifest_path} describes epoch {manifest.get('epoch')} "
@@ -468,10 +367,17 @@ def latest(prefix: str, *, verify: bool = True) -> Checkpoint | None:
             if verify:
                 _verify(ckpt)
         except CorruptCheckpointError as e:
+            _stop_if_unsafe(e)
             _warn_skipped(ckpt, e)
             continue
         return ckpt
     return None
+
+
+def _stop_if_unsafe(error: CheckpointError) -> None:
+    """A file that would run code is planted, not torn: never fall back past it."""
+    if isinstance(error, UnsafeCheckpointError):
+        raise error
 
 
 def _warn_skipped(ckpt: Checkpoint, error: CorruptCheckpointError) -> None:
@@ -487,13 +393,20 @@ def load_checkpoint(ckpt: Checkpoint, *, load_train_state: bool = True) -> tuple
     manifest = _read_manifest(ckpt)
     files = _files_of(ckpt, manifest, train_state=load_train_state)
     for path, entry in files:
-        _check_size(path, entry)
+        try:
+            _check_size(path, entry)
+        except CorruptCheckpointError:
+            refuse_if_code_carrying(path)  # a planted file is not a torn one, whatever its size
+            raise
     digests = _hash_in_background([path for path, _ in files])
     try:
         model_file = load(ckpt.path)
         if not isinstance(model_file, dict) or "model" not in model_file:
             raise CorruptCheckpointError(f"{ckpt.path} has no 'model' entry")
         train_state = load(ckpt.opt_path) if len(files) > 1 else None
+    except UnsafeCheckpointError:
+        digests()  # a file that would run code is the reason, whatever its hash
+        raise
     except Exception:
         for (path, entry), digest in zip(files, digests()):
             _check_digest(path, entry, digest)  # a hash mismatch is the better reason; else the load error
@@ -515,6 +428,7 @@ def load_latest(prefix: str, *, load_train_state: bool = True) -> tuple[Checkpoi
                 raise CorruptCheckpointError("incomplete: no manifest (interrupted save or delete)")
             return (ckpt, *load_checkpoint(ckpt, load_train_state=load_train_state))
         except CorruptCheckpointError as e:
+            _stop_if_unsafe(e)
             _warn_skipped(ckpt, e)
     return None
 

@@ -171,7 +171,7 @@ def _run(engine: Any, forward_step: Any, batch: Batch) -> dict[str, Any]:
     batch_dev = batch.to(engine.device, non_blocking=True)
     try:
         with run_ctx_scope(ctx), amp.autocast(engine.device, engine.amp_dtype):
-            forward_step(model=engine.model, extern_data=batch_dev)
+            ctx.returned = forward_step(model=engine.model, extern_data=batch_dev)
         ctx.check_outputs()
     except torch.cuda.OutOfMemoryError:
         raise

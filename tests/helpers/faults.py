@@ -142,3 +142,59 @@ def write_malicious_checkpoint(
         os.fspath(path),
     )
     return os.fspath(path)
+
+
+def write_code_carrying_file(path: str | os.PathLike, marker: str | os.PathLike, kind: str) -> str:
+    """One of :data:`CODE_CARRYING_KINDS`: a file whose loading (without ``weights_only``) would run code.
+
+    ``pickle-N``: a plain pickle of protocol N; ``legacy``: torch's pre-zip format; ``zip-system`` /
+    ``zip-touch``: torch's zip format with an ``os.system`` / a test-module payload; ``torchscript``:
+    a TorchScript archive; ``tar``: torch's legacy tar format; ``pickle-in-safetensors``: a pickle
+    named ``.safetensors`` (``path`` gets that suffix).
+    """
+    import io
+    import pickle
+    import tarfile
+
+    import torch
+
+    path = os.fspath(path)
+    evil = {"model": {"w": torch.zeros(2)}, "epoch": 1, "step": 1, "evil": MaliciousPickle(marker)}
+    if kind.startswith("pickle-") and kind[7:].isdigit():
+        with open(path, "wb") as f:
+            pickle.dump({"model": MaliciousPickle(marker)}, f, protocol=int(kind[7:]))
+    elif kind == "legacy":
+        torch.save(evil, path, _use_new_zipfile_serialization=False)
+    elif kind in ("zip-system", "zip-touch"):
+        write_malicious_checkpoint(path, marker, "os.system" if kind == "zip-system" else "touch")
+    elif kind == "torchscript":
+        torch.jit.save(torch.jit.script(_Scripted()), path)
+    elif kind == "tar":
+        with tarfile.open(path, "w") as t:
+            for name in ("storages", "tensors", "pickle"):
+                data = pickle.dumps(MaliciousPickle(marker), protocol=2)
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+    elif kind == "pickle-in-safetensors":
+        path = os.path.splitext(path)[0] + ".safetensors"
+        with open(path, "wb") as f:
+            pickle.dump({"w": MaliciousPickle(marker)}, f, protocol=2)
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    return path
+
+
+CODE_CARRYING_KINDS = [*(f"pickle-{n}" for n in range(6)), "legacy", "zip-system", "zip-touch", "torchscript",
+                       "tar", "pickle-in-safetensors"]
+
+
+class _Scripted:  # built lazily: torch.nn needs torch imported
+    def __new__(cls):  # noqa: D102
+        import torch
+
+        class Identity(torch.nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x * 2
+
+        return Identity()

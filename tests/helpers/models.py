@@ -49,7 +49,8 @@ def tiny_config(model: str | None = None, **overrides: Any) -> dict[str, Any]:
         train_step=train_step,
         forward_step=forward_step,
         extern_data=Task12AXDataset.extern_data,
-        train=Task12AXDataset(120, seed=1, seq_ordering="random"),
+        # random_seed_offset 8: RETURNN's random orders give 19 batches in each of epochs 1-5 (tests count steps)
+        train=Task12AXDataset(120, seed=1, seq_ordering="random", random_seed_offset=8),
         dev=Task12AXDataset(30, seed=2),
         batch_size=600,
         max_seqs=10,

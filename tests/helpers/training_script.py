@@ -4,7 +4,7 @@
 once imported, waits for a line on stdin (so a test can start it early and hide the import
 time), trains :func:`config` (JSON overrides) to the end and prints ``step N`` (flushed)
 after each train step, so that a test can kill it at a chosen point. ``KIT_TEST_STEP_DELAY``
-(seconds) slows each step down, ``KIT_TEST_SLOW_WRITE_SECS`` (see kit/fileio.py) each file write.
+(seconds) slows each step down, ``KIT_TEST_SLOW_WRITE_SECS`` (see helpers/slow_writes.py) each file write.
 
 :func:`reference_run` is the uninterrupted run every resumed run is compared with.
 """
@@ -25,10 +25,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: `helpers` importable
 
 import torch  # noqa: E402
+from helpers import slow_writes  # noqa: E402
 from helpers.models import TinyModel, tiny_config  # noqa: E402
 
 import kit  # noqa: E402
 from kit.engine.engine import Engine  # noqa: E402
+
+slow_writes.install()
 
 NUM_EPOCHS = 2
 STEPS_PER_EPOCH = 19  # 120 sequences, max_seqs=10, batch_size=600 (tiny_config)

@@ -8,6 +8,7 @@ and every step's losses with an uninterrupted run (``torch.equal``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import slow_writes
 from helpers.models import tiny_config
 from helpers.models import train_step as tiny_train_step
 from session_testlib import LossRecorder, state, states_equal, write_config
@@ -45,8 +47,16 @@ def test_sigint_pauses_at_the_boundary_and_continuing_equals_an_uninterrupted_ru
         )
         tiny_train_step(model=model, extern_data=extern_data, **kwargs)
 
-    if where == "save":
-        monkeypatch.setattr(kit.fileio, "_maybe_slow_down", lambda: interrupt_once(True))
+    if where == "save":  # inside a file write, after its data and before the rename
+        real_open = kit.fileio.atomic_open
+
+        @contextlib.contextmanager
+        def interrupting_open(path, mode="wb"):
+            with real_open(path, mode) as f:
+                yield f
+                interrupt_once(True)
+
+        monkeypatch.setattr(kit.fileio, "atomic_open", interrupting_open)
     s = kit.Session(**tiny_config(str(tmp_path / "model"), train_step=train_step))
     rec = LossRecorder()
     s.on("step_end", rec)
@@ -212,6 +222,7 @@ class Kernel:
 def kernel():
     k = Kernel()
     k.run(SETUP_CELL)
+    k.run(slow_writes.code(str(Path(__file__).resolve().parents[1])))  # KIT_TEST_SLOW_WRITE_SECS in the kernel
     yield k
     k.shutdown()
 

@@ -1,0 +1,126 @@
+"""Reading a checkpoint manifest without trusting it: any malformed one means "incomplete checkpoint".
+
+A manifest is small JSON that kit wrote. Whatever else sits under its name — a flipped bit, a
+number like ``1e999``, 100k nested brackets, megabytes of junk, a FIFO or a device — gives a
+:class:`~kit.errors.CorruptCheckpointError` naming the file and what is wrong, never a raw
+``KeyError`` / ``OverflowError`` / ``RecursionError``, and never a read that blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from typing import Any
+
+from kit.errors import CorruptCheckpointError
+
+MAX_MANIFEST_BYTES = 1 << 20  # kit's manifests are about 1 KB
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+KINDS = ("epoch", "step")
+
+
+def read_manifest_file(path: str) -> dict[str, Any]:
+    """The parsed, shape-checked manifest at ``path``; :class:`CorruptCheckpointError` for anything else."""
+    manifest = _parse(_read_regular_file(path), path)
+    problem = manifest_problem(manifest)
+    if problem is not None:
+        raise CorruptCheckpointError(f"Manifest {path} is malformed: {problem}")
+    return manifest
+
+
+def _read_regular_file(path: str) -> bytes:
+    """The bytes of ``path`` if it is a small regular file; never blocks (FIFOs, devices are refused)."""
+    try:
+        # O_NONBLOCK: a FIFO opened for reading would otherwise wait for a writer forever
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"Manifest {path} is missing (interrupted save or delete)") from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"Manifest {path} cannot be opened ({e.strerror or e})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCheckpointError(f"Manifest {path} is not a regular file (a {_file_type(info.st_mode)})")
+        if info.st_size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(
+                f"Manifest {path} is {info.st_size} bytes; kit's manifests are about 1 KB (limit {MAX_MANIFEST_BYTES})")
+        chunks, size = [], 0
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_MANIFEST_BYTES:
+                raise CorruptCheckpointError(f"Manifest {path} grew beyond {MAX_MANIFEST_BYTES} bytes while read")
+        return b"".join(chunks)
+    except OSError as e:
+        raise CorruptCheckpointError(f"Manifest {path} cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+
+
+def _file_type(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISDIR, "folder"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _parse(data: bytes, path: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(f"Manifest {path} is not UTF-8 text (byte {e.start})") from None
+    except ValueError as e:
+        raise CorruptCheckpointError(f"Manifest {path} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise CorruptCheckpointError(f"Manifest {path} is nested too deeply to be a manifest") from None
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _entry_problem(name: str, entry: Any) -> str | None:
+    if not isinstance(entry, dict):
+        return f"files.{name} is a {type(entry).__name__}, expected an object"
+    if not isinstance(entry.get("name"), str):
+        return f"files.{name}.name is {entry.get('name')!r}, expected a file name"
+    if not _is_count(entry.get("size")):
+        return f"files.{name}.size is {_show(entry.get('size'))}, expected an int >= 0"
+    if not isinstance(entry.get("sha256"), str) or not _SHA256.fullmatch(entry["sha256"]):
+        return f"files.{name}.sha256 is {_show(entry.get('sha256'))}, expected 64 hex digits"
+    return None
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def manifest_problem(m: Any) -> str | None:
+    """What is wrong with a parsed manifest (None when it has the shape kit writes)."""
+    if not isinstance(m, dict):
+        return f"a JSON {type(m).__name__}, expected an object"
+    if not _is_count(m.get("format")):
+        return f"format is {_show(m.get('format'))}, expected an int"
+    if m.get("kind") not in KINDS:
+        return f"kind is {_show(m.get('kind'))}, expected 'epoch' or 'step'"
+    for key in ("epoch", "global_train_step"):
+        if not _is_count(m.get(key)):
+            return f"{key} is {_show(m.get(key))}, expected an int >= 0"
+    files = m.get("files")
+    if not isinstance(files, dict) or "model" not in files:
+        return f"files is {_show(files)}, expected an object with a 'model' entry"
+    for name in ("model", "train_state"):
+        if name == "train_state" and files.get(name) is None:
+            continue
+        if (problem := _entry_problem(name, files.get(name))) is not None:
+            return problem
+    if not isinstance(m.get("config_digest", ""), str):
+        return f"config_digest is {_show(m.get('config_digest'))}, expected a string"
+    keys = m.get("config_keys", {})
+    if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
+        return "config_keys is not an object of key -> digest strings"
+    return None
