@@ -213,6 +213,10 @@ def test_notebook_runs_in_jupyterlab(name: str, jupyter_lab: Lab, browser: Any) 
         _run_all(page)
         _wait_until_all_cells_ran(page, jupyter_lab, rel)
         _check_as_a_user_sees_it(page, jupyter_lab, rel)
+        _screenshot_first(
+            page, ".jp-OutputArea-output:not([data-mime-type])", f"{Path(name).stem}-widget.png"
+        )
+        _screenshot_first(page, ".jp-OutputArea-output img", f"{Path(name).stem}-figure.png")
     finally:
         page.screenshot(path=str(ARTIFACTS / f"{Path(name).stem}.png"), full_page=True)
         page.close()
@@ -319,7 +323,9 @@ def _check_as_a_user_sees_it(page, lab: Lab, rel: str) -> None:
     saved_views = sum(WIDGET_MIME in o.get("data", {}) for c in cells for o in c["outputs"])
     views = page.evaluate(WIDGET_VIEWS)
     shown = page.evaluate(MIME_TYPES)
-    assert len(views) == saved_views, f"{rel}: {len(views)} widget outputs shown, {saved_views} saved; shown: {shown}"
+    assert len(views) == saved_views, (
+        f"{rel}: {len(views)} widget outputs shown, {saved_views} saved; shown: {shown}"
+    )
     assert all(v["rendered"] for v in views), f"{rel}: widget views not rendered: {views}"
 
     # a widget's static PNG (for saved notebooks) is not shown while the widget is: not counted
@@ -333,6 +339,14 @@ def _check_as_a_user_sees_it(page, lab: Lab, rel: str) -> None:
         return {"images": images} if ok else None
 
     _wait_for(page, images_loaded, f"{rel}: {saved_images} images to load", timeout=30)
+
+
+def _screenshot_first(page, selector: str, filename: str) -> None:
+    """A screenshot with the first element matching ``selector`` scrolled into view (if there is one)."""
+    element = page.locator(selector).first
+    if element.count():
+        element.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / filename))
 
 
 # ---- the dashboard notebook: Pause while it trains ----------------------------------------------
