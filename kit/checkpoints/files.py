@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -17,8 +16,8 @@ from typing import IO, Any
 import torch
 
 from kit import fileio
-from kit.checkpoints.naming import checkpoint_file_pattern, checkpoint_paths
 from kit.checkpoints.manifest import read_manifest_file
+from kit.checkpoints.naming import checkpoint_file_pattern, checkpoint_paths
 from kit.checkpoints.safe_load import (  # noqa: F401 - public names of this module before the split
     CheckpointNotFoundError,
     NotSafetensorsError,
