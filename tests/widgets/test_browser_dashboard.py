@@ -302,7 +302,14 @@ def _save(page, lab: Lab, rel: str) -> dict:
     before = lab.saved(rel)["last_modified"]
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^File$")).click()
     page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Save Notebook$")).click()
-    _wait_for(page, lambda: lab.saved(rel)["last_modified"] != before, f"{rel} to be saved", timeout=30)
+
+    def written() -> bool:
+        try:  # JupyterLab writes a temporary file and renames it: the file can be missing for a moment
+            return lab.saved(rel)["last_modified"] != before
+        except urllib.error.HTTPError:
+            return False
+
+    _wait_for(page, written, f"{rel} to be saved", timeout=30)
     return lab.saved(rel)["content"]
 
 
@@ -454,15 +461,21 @@ def _run_dashboard_notebook_and_check(page) -> None:
     _wait_for(page, lambda: "running" in status.inner_text(), "the last cell's run", timeout=60)
     assert resume.is_disabled()  # nothing to resume while it runs
     pause.click(timeout=5000)
-    _wait_for(page, lambda: status.inner_text().startswith("status: paused at epoch"), "the last cell's pause",
-              timeout=60)
+    _wait_for(
+        page,
+        lambda: status.inner_text().startswith("status: paused at epoch"),
+        "the last cell's pause",
+        timeout=60,
+    )
     _wait_for(page, resume.is_enabled, "Resume enabled after the pause", timeout=15)
     dashboard.scroll_into_view_if_needed()
     page.screenshot(path=str(ARTIFACTS / "dashboard-paused.png"), full_page=True)
     resume.click(timeout=5000)
     _wait_for(page, lambda: "running" in status.inner_text(), "training again after Resume", timeout=30)
     # when training has ended, the last frame stays: all steps drawn, status "finished"
-    _wait_for(page, lambda: "status: finished" in status.inner_text(), "the resumed run to finish", timeout=120)
+    _wait_for(
+        page, lambda: "status: finished" in status.inner_text(), "the resumed run to finish", timeout=120
+    )
     page.locator(".kit-dashboard.kit-dashboard-final").first.wait_for(timeout=30_000)
     final = page.evaluate(IMAGE_DIGEST)
     dashboard.scroll_into_view_if_needed()  # for the screenshot taken at the end
