@@ -56,17 +56,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     engine = Engine(_config(args))
     guard = InterruptGuard()
+    bar = _progress_bar(engine) if not args.quiet else None
     try:
         with guard.held(), _requests_on(guard, "SIGTERM", "SIGUSR1"):
             engine.setup()
             if _nothing_to_do(engine):
                 return 0
-            with _final_epoch_line_once(engine.final_epoch):
+            with bar.logging_redirected() if bar else contextlib.nullcontext(), \
+                    _final_epoch_line_once(engine.final_epoch):
                 finished = engine.train(should_stop=lambda: guard.requested)
             main = engine.dist is None or engine.dist.is_main  # under torchrun, rank 0 reports
             if not finished:
                 return _stopped(engine, guard.reason, args, main)
     finally:
+        if bar:
+            bar.close()
         engine.close()
     epochs = [e for e in engine.scores.epochs if engine.scores.has_scores(e)]
     if main and epochs:  # stdout: one line for scripts (the log on stderr leaves this one to it)
@@ -129,6 +133,16 @@ def _stopped(engine: Any, reason: str, args: argparse.Namespace, main: bool) -> 
             again = " ".join(shlex.quote(a) for a in ["python", "-m", "kit", "train", args.config, *args.overrides])
             print(f"kit: stopped by {name} at {where}; saved {saved.name}. Resume with: {again}", file=sys.stderr)
     return status
+
+
+def _progress_bar(engine: Any) -> Any:
+    """A tqdm bar when a person watches (stdout and stderr are terminals); log lines alone otherwise."""
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        return None
+    from kit.widgets.terminal import TerminalProgress
+
+    return TerminalProgress(engine.events, lambda: engine.final_epoch,
+                            is_main=lambda: engine.dist is None or engine.dist.is_main)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ or in worker processes that return exactly the same batches in the same order.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -53,7 +54,7 @@ class Pipeline:
         train: chunking only applies in training (unless ``chunking_in_eval``).
         batch_size: frames per batch including padding, int for all time keys or per key.
         seq_ordering: overrides the dataset's own ``seq_ordering``.
-        random_seed: seed of random orders, for datasets without their own ``random_seed``.
+        random_seed: the config's ``random_seed``; as in RETURNN it does not change the data order.
         seq_indices: restrict to these dataset indices (in the epoch's order; partitions
             are not applied then).
     """
@@ -102,13 +103,17 @@ class Pipeline:
         opts = dict(dataloader_opts or {})
         self.num_workers = int(num_workers or opts.pop("num_workers", 0) or 0)
         opts.pop("num_workers", None)
-        self._loader = BatchLoader(self.dataset, self.extern_data)
+        self._loader = BatchLoader(
+            self.dataset, self.extern_data, chunked=None if self.chunking not in (None, 0, False) else False
+        )
         self._pool: WorkerPool | None = None
+        self._pool_opts = opts
         if self.num_workers > 0:
             check_picklable(self._loader, self.num_workers, _describe(self.dataset))
             self._pool = WorkerPool(self._loader, self.num_workers, opts)
         self._lengths: dict[str, np.ndarray] | None = None
         self._entries: list[batching.Entry] = []
+        self._seq_idx = np.zeros(0, dtype=np.int64)  # the entries' sequence indices
         self._ranges: list[tuple[int, int]] | None = None
         self._iter: Iterator[Batch] | None = None
         self.epoch = 0
@@ -163,8 +168,10 @@ class Pipeline:
     def _order(self, epoch: int) -> list[int]:
         ds = self.dataset
         n = len(ds)
-        own_seed = getattr(ds, "random_seed", None)
-        seed = own_seed if own_seed is not None else self.random_seed
+        # RETURNN's order seed: the dataset's offset (kit's older name: random_seed), not the config's random_seed
+        offset = getattr(ds, "random_seed_offset", None)
+        seed = int(offset if offset is not None else getattr(ds, "random_seed", None) or 0)
+        fixed = getattr(ds, "fixed_random_seed", None)
         method = self.seq_ordering or getattr(ds, "seq_ordering", "default")
         if self.seq_indices is not None:
             bad = [i for i in self.seq_indices if not 0 <= i < n]
@@ -172,7 +179,8 @@ class Pipeline:
                 raise DataError(
                     f"seq_indices {bad[:5]} are out of range for dataset {_describe(ds)} ({n} seqs)"
                 )
-            full = ordering.full_order(method, n, epoch, lambda: ordering_lengths(self._seq_lengths()), seed)
+            lens = lambda: ordering_lengths(self._seq_lengths())  # noqa: E731
+            full = ordering.full_order(method, n, epoch, lens, seed, fixed_random_seed=fixed)
             wanted = set(self.seq_indices)
             return [int(i) for i in full if i in wanted]
         if isinstance(ds, Dataset):
@@ -186,6 +194,7 @@ class Pipeline:
             seq_len=lambda: ordering_lengths(self._seq_lengths()),
             random_seed=seed,
             partition_epoch=getattr(ds, "partition_epoch", 1),
+            fixed_random_seed=fixed,
         )
 
     def set_epoch(self, epoch: int) -> None:
@@ -193,6 +202,8 @@ class Pipeline:
         if not isinstance(epoch, int) or epoch < 1:
             raise ValueError(f"epochs count from 1, got {epoch!r}")
         self._drop_iter()
+        if isinstance(self.dataset, Dataset) and self.dataset.init_epoch(epoch):
+            self._renew_dataset_state()
         name = _describe(self.dataset)
         if len(self.dataset) == 0:
             raise DataError(
@@ -219,8 +230,17 @@ class Pipeline:
             )
         lens = batching.entry_lengths(entries, lengths)
         self._entries = entries
+        self._seq_idx = np.fromiter(map(itemgetter(0), entries), dtype=np.int64, count=len(entries))
         self._ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
         self.epoch, self.position = epoch, 0
+
+    def _renew_dataset_state(self) -> None:
+        """The dataset's sequences changed for this epoch (``Dataset.init_epoch``): drop what was read of them."""
+        self._lengths = None
+        self._loader = BatchLoader(self.dataset, self.extern_data)
+        if self._pool is not None:  # persistent workers hold a copy of the old dataset state
+            self._pool.close()
+            self._pool = WorkerPool(self._loader, self.num_workers, self._pool_opts)
 
     def _ensure_planned(self) -> None:
         if self._ranges is None:
@@ -251,7 +271,7 @@ class Pipeline:
             raise StopIteration
         if self._pool is None:
             a, b = self._ranges[self.position]
-            batch = self._loader.load(self._entries[a:b])
+            batch = self._loader.load(self._entries[a:b], self._seq_idx[a:b])
         else:
             if self._iter is None:
                 items = [(i, self._entries[a:b]) for i, (a, b) in enumerate(self._ranges)][self.position :]

@@ -19,13 +19,14 @@ import torch
 from kit.config import Config
 from kit.engine import amp, distributed, parts, state
 from kit.engine import start as start_
-from kit.engine.accounting import EpochAccounting, StepLosses, stack_losses
+from kit.engine.accounting import EpochAccounting, stack_losses
 from kit.engine.device import select_device
 from kit.engine.evaluation import evaluate_dataset
+from kit.engine.guard import NonFiniteGuard, check_learning_rate
 from kit.engine.progress import Progress
 from kit.engine.step import StepOptions, StepResult
 from kit.engine.user_code import annotate_exception, call_user, check_accepts_kwargs
-from kit.errors import ConfigError, DataError, KitError, NonFiniteLossError
+from kit.errors import ConfigError, DataError, KitError
 from kit.events import Events
 from kit.rng import derive_seed, get_rng_state, seed_all, set_rng_state
 from kit.run_ctx import RunCtx, run_ctx_scope
@@ -75,6 +76,7 @@ class Engine:
         self._options: tuple[int, StepOptions] | None = None
         self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
         self.views: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
+        self.guard = NonFiniteGuard(self)
 
     # ---- set-up -----------------------------------------------------------------------
 
@@ -100,9 +102,7 @@ class Engine:
 
             check_optimizer(self.config)
         if self.model_prefix and start_.is_training(self) and (not self.dist or self.dist.is_main):
-            from kit.checkpoints.lock import PrefixLock
-
-            self.prefix_lock = PrefixLock.acquire(self.model_prefix)  # 'model' writable and ours, before any step
+            self.prefix_lock = start_.lock_prefix(self.model_prefix)  # 'model' writable and ours, before any step
         self.datasets = parts.build_datasets(self.config)
         self._attach_config_views()
         self.extern_data = parts.build_extern_data(self.config)
@@ -171,6 +171,7 @@ class Engine:
     @property
     def step_options(self) -> StepOptions:
         if self._options is None or self._options[0] != self.config.version:
+            self.guard.config_changed()
             self._options = (self.config.version, StepOptions.read(self.config))
         return self._options[1]
 
@@ -197,6 +198,7 @@ class Engine:
         # the pipeline's batches are on the CPU: on a CPU device, .to() would only cost host time
         batch_dev = batch if self.device.type == "cpu" else batch.to(self.device, non_blocking=True)
         self.last_batch = batch  # a reference only: debug contexts of "step" breaks read it
+        self.guard.begin_step()
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
             self.updater.optimizer.zero_grad(set_to_none=True)
@@ -216,85 +218,48 @@ class Engine:
         (self.grad_scaler.scale(total) if self.grad_scaler else total).backward()
         p.accum_count += 1
         step_losses = stack_losses(ctx.losses)
+        # guard: this micro-batch's losses and the gradients so far, before any clipping
+        finite = self.guard.after_backward(step_losses, batch, rng_before=self._step_rng)
         # update when the accumulation window is complete
         updated, grad_norm = False, None
-        if p.accum_count >= accum_multiple:
-            updated, grad_norm = self._update(step_losses, batch)
+        if finite and p.accum_count >= accum_multiple:
+            updated, grad_norm = self._update()
         # account: losses stay on the device
-        self.accounting.add(step_losses)
+        self.guard.account(step_losses)
         result = StepResult(p.epoch, p.step_in_epoch, p.global_train_step, lr, updated,
                             time.perf_counter() - t0, batch.num_seqs, batch.complete_frac, step_losses, grad_norm)
         p.step_in_epoch += 1
         p.global_train_step += 1
+        self.guard.end_step()
         self.events.emit("step_end", result=result)
         if probe_lr is not None:
             return result
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
+            self.guard.check()  # the log line reads the losses anyway
             self._log_step(result)
         if opts.save_every and p.global_train_step % opts.save_every == 0:
             self.save_checkpoint(kind="step")
+        self.guard.step_returned()
         return result
 
-    def _update(self, step_losses: StepLosses, batch: Any) -> tuple[bool, torch.Tensor | None]:
-        """Unscale → gradient noise → clip → non-finite guard → optimizer step → scaler update."""
+    def _update(self) -> tuple[bool, torch.Tensor | None]:
+        """Unscale → gradient noise → clip → optimizer step (a no-op on the device after a NaN/Inf)."""
         p, optimizer, scaler = self.progress, self.updater.optimizer, self.grad_scaler
         p.accum_count = 0
         if scaler is not None:
             scaler.unscale_(optimizer)
         self.updater.apply_gradient_noise()
-        guard = self.step_options.guard
-        # with a float16 scaler, inf gradients are expected: the scaler skips those steps itself
-        grad_norm = self.updater.clip_gradients(need_grad_norm=guard and scaler is None)
-        if guard and not self._all_finite(step_losses, None if scaler else grad_norm):
-            if not self._handle_nonfinite(step_losses, grad_norm, batch):
-                return False, grad_norm
+        grad_norm = self.updater.clip_gradients()
         if scaler is not None:
-            scaler.step(optimizer)
+            self.guard.step_optimizer(lambda: scaler.step(optimizer))
             scaler.update()
         else:
-            optimizer.step()
+            self.guard.step_optimizer(optimizer.step)
         p.num_updates += 1
         p.consec_skipped_updates = 0
         if self.dist:  # reduce_type "param": average the weights every param_sync_step updates
             self.dist.after_update(self.model, p.num_updates)
         return True, grad_norm
-
-    @staticmethod
-    def _all_finite(step_losses: StepLosses, grad_norm: torch.Tensor | None) -> bool:
-        """The guard's single device→host read."""
-        flags = torch.isfinite(step_losses.values).all()
-        if grad_norm is not None:
-            flags = flags & torch.isfinite(grad_norm.to(flags.device))
-        return bool(flags)
-
-    def _handle_nonfinite(self, step_losses: StepLosses, grad_norm: torch.Tensor | None, batch: Any) -> bool:
-        """Drop the update; raise (default) or skip per ``nonfinite_policy``. Returns False."""
-        p = self.progress
-        bad = [f"loss {name}" for name, v in step_losses.normalized().items() if not _finite(v)]
-        if grad_norm is not None and not torch.isfinite(grad_norm).all():
-            bad.append(f"gradient norm ({float(grad_norm)})")
-            bad += [f"gradient of {n}" for n, prm in self.model.named_parameters()
-                    if prm.grad is not None and not torch.isfinite(prm.grad).all()][:20]
-        self.updater.optimizer.zero_grad(set_to_none=True)
-        error = NonFiniteLossError(
-            f"non-finite values at epoch {p.epoch}, step {p.step_in_epoch} (global step {p.global_train_step}): "
-            f"{', '.join(bad)}; the update was not applied (parameters and optimizer state are unchanged)",
-            epoch=p.epoch, step=p.step_in_epoch, nonfinite=bad)
-        self.events.emit("nonfinite", error=error, batch=batch)
-        if self.debugger is not None:
-            self.debugger.notify("nonfinite", error=error, batch=batch, step_losses=step_losses, rng=self._step_rng)
-        if self.config.typed_value("nonfinite_policy") == "skip":
-            p.consec_skipped_updates += 1
-            p.skipped_updates_in_epoch += 1
-            limit = self.config.int("num_allowed_consec_invalid_gradient_steps")
-            if p.consec_skipped_updates <= limit:
-                logger.warning("%s — skipped (%d in a row)", error, p.consec_skipped_updates)
-                return False
-            error.args = (f"{error.args[0]}; {p.consec_skipped_updates} non-finite updates in a row "
-                          f"exceed num_allowed_consec_invalid_gradient_steps={limit}",)
-        # the step does not count: counters stay where they were before it
-        p.accum_count = 0
-        raise error
 
     def _total_loss(self, ctx: RunCtx) -> torch.Tensor:
         try:
@@ -331,6 +296,7 @@ class Engine:
             lr = self.lr_control.dynamic_learning_rate(
                 global_train_step=self.progress.global_train_step, epoch=self.progress.epoch,
                 epoch_continuous=self._epoch_continuous(batch), learning_rate=self._epoch_lr)
+            check_learning_rate(lr, "config key 'dynamic_learning_rate'", f"global step {self.progress.global_train_step}")
         if lr != self._step_lr:
             self.updater.set_learning_rate(lr)
             self._step_lr = lr
@@ -352,6 +318,8 @@ class Engine:
     def _begin_epoch(self) -> None:
         p = self.progress
         self._epoch_lr = float(self.lr_control.learning_rate_for_epoch(p.epoch))
+        check_learning_rate(self._epoch_lr, "the learning rate control (learning_rate, learning_rates, "
+                            "learning_rate_file)", f"epoch {p.epoch}")
         self.updater.set_learning_rate(self._epoch_lr)
         self._step_lr = self._epoch_lr
         # randomness depends on (random_seed, epoch, global step) only, not on process history
@@ -378,7 +346,8 @@ class Engine:
         while self.train_step() is not None:  # the epoch's remaining steps, if any
             pass
         if p.accum_count:  # a partial accumulation window: RETURNN drops it, kit applies it
-            self._update(stack_losses({}), None)
+            self._update()
+        self.guard.check()  # the epoch's scores read the losses anyway
         if self.dist:  # the loss sums of all ranks; reduce_type "param": the same weights everywhere
             self.dist.finish_train_epoch(self.model, self.accounting)
         epoch = p.epoch
@@ -410,7 +379,9 @@ class Engine:
         import kit
 
         meta = {
-            "global_train_step": self.progress.global_train_step,
+            # RETURNN's meaning: the global step at the epoch's start; its end under global_train_step_end
+            "global_train_step": self.progress.epoch_start_global_step,
+            "global_train_step_end": self.progress.global_train_step,
             "effective_learning_rate": self._step_lr,
             "epoch_num_train_steps": self.accounting.num_steps,
             "epoch_train_time_secs": round(time.time() - self._epoch_start_time, 3),
@@ -432,10 +403,11 @@ class Engine:
 
     def train_epoch(self, should_stop: Callable[[], bool] | None = None) -> dict[str, float] | None:
         """The rest of the current epoch and its end work; None when ``should_stop`` paused it."""
-        while self.train_step() is not None:
-            if should_stop is not None and should_stop():
-                return None
-        return self.finish_epoch()
+        with self.guard.deferred_reads():
+            while self.train_step() is not None:
+                if should_stop is not None and should_stop():
+                    return None
+            return self.finish_epoch()
 
     def train(self, should_stop: Callable[[], bool] | None = None) -> bool:
         """Train up to ``num_epochs``; returns True when finished, False when paused."""
@@ -490,6 +462,7 @@ class Engine:
 
     def save_checkpoint(self, *, kind: str = "step", epoch: int | None = None) -> Any:
         """Write a checkpoint of the whole training state now (epoch or mid-epoch step)."""
+        self.guard.check()  # never a checkpoint of a state the guard would rewind
         if self.dist:  # rank 0 writes (mid-epoch with the loss sums of all ranks so far); the others wait
             ckpt = self.dist.save_on_main(lambda: state.save(self, kind=kind, epoch=epoch),
                                           self.accounting if self.progress.epoch_running else None)
@@ -511,6 +484,7 @@ class Engine:
         if saved is None:
             raise KitError(f"checkpoint {ckpt.path} has no training state to restore; use load() to inspect it")
         checkpoints.load_into_model(self.model, model_file["model"])
+        self.guard.reset()
         self.accounting = EpochAccounting()
         state.load_train_state(self, saved)
         p = self.progress
@@ -549,10 +523,6 @@ class Engine:
 def _torch_rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda
-
-
-def _finite(v: float) -> bool:
-    return v == v and v not in (float("inf"), float("-inf"))
 
 
 def _format_scores(scores: Mapping[str, float]) -> str:

@@ -71,7 +71,18 @@ class CheckpointBrowser:
 
     @property
     def table(self) -> Any:
-        """DataFrame: one row per checkpoint with scores, verification, best flags, cleanup preview."""
+        """DataFrame: one row per checkpoint with what one chooses by — name, kind, epoch, step,
+        complete / verified, scores, best flags (``is_best_<score>``) and, with ``cleanup_old_models``
+        set, the cleanup preview (``would_remove``). Paths, sizes and times: :attr:`table_all`."""
+        frame = self.table_all
+        hidden = {"path", "size_mb", "time"}
+        if not self._session.config.typed_value("cleanup_old_models"):
+            hidden.add("would_remove")
+        return frame[[c for c in frame.columns if c not in hidden]]
+
+    @property
+    def table_all(self) -> Any:
+        """DataFrame: :attr:`table` plus each checkpoint's path, size (MB), time and cleanup preview."""
         import pandas as pd
 
         scores = self._session.score_table

@@ -17,6 +17,7 @@ import gc
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -48,11 +49,13 @@ class Session(TrainingLoop, Debugging):
 
     Args:
         config: a :class:`Config` (or mapping of config keys).
-        live: show the live dashboard whenever training runs.
+        live: ``True``: show the live dashboard whenever training runs; ``None`` (default): in a
+            notebook, each train call shows a one-line live progress (unless a dashboard of this
+            session is open); ``False``: show nothing. A train call's ``live=`` overrides it.
         history_max_rows: bound of :attr:`history`; beyond it older steps are thinned out.
     """
 
-    def __init__(self, config: Config | Mapping[str, Any] | None = None, *, live: bool = False,
+    def __init__(self, config: Config | Mapping[str, Any] | None = None, *, live: bool | None = None,
                  history_max_rows: int = 100_000, **kwargs: Any):
         if isinstance(config, Config):
             self.config = config.copy().update(kwargs)
@@ -65,8 +68,12 @@ class Session(TrainingLoop, Debugging):
         self.engine = Engine(self.config, events=self.events)
         self._history = History(max_rows=history_max_rows)
         self.events.on("step_end", self._history.on_step_end)
+        # a step the guard rewinds to (and every step after it) leaves the history
+        self.events.on("nonfinite", lambda error, **_: self._history.truncate_after(error.global_train_step))
         self.live = live
         self._live_dashboard: Any = None
+        self._dashboards: weakref.WeakSet = weakref.WeakSet()  # every dashboard() of this session
+        self._progress_line: Any = None  # the default notebook progress (kit.widgets.progress)
         from kit import debug
 
         # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
@@ -298,9 +305,26 @@ class Session(TrainingLoop, Debugging):
 
     @property
     def scores(self) -> Any:
-        """pandas DataFrame, one row per epoch — the same as the score file."""
+        """pandas DataFrame, one row per epoch: learning rate and scores (the run's metadata is in
+        :attr:`scores_meta`; ``session.score_table.to_pandas()`` has both, as the score file)."""
         self._setup()
-        return self.engine.scores.to_pandas()
+        return self.engine.scores.to_pandas("scores")
+
+    @property
+    def scores_meta(self) -> Any:
+        """pandas DataFrame, one row per epoch: steps, train time, time, host, device, versions, memory."""
+        self._setup()
+        return self.engine.scores.to_pandas("meta")
+
+    def plot(self, *, smoothing: float = 0.9) -> Any:
+        """A matplotlib Figure: losses and error rates per step (raw and smoothed, on separate axes)
+        and the scores per epoch (shows itself in a notebook; ``.savefig(path)`` writes it)."""
+        from kit.scores import split_score_key
+        from kit.widgets.training_plot import plot_training
+
+        self._setup()
+        errors = {split_score_key(k)[1] for k in self.engine.scores.error_keys} | set(self.engine.accounting.errors)
+        return plot_training(self.history, self.scores, error_names=errors, smoothing=smoothing)
 
     @property
     def history(self) -> Any:
@@ -325,14 +349,34 @@ class Session(TrainingLoop, Debugging):
     def dashboard(self) -> Any:
         from kit.widgets import Dashboard
 
-        return Dashboard(self)
+        dashboard = Dashboard(self)
+        self._dashboards.add(dashboard)
+        return dashboard
+
+    def _show_progress(self) -> None:
+        """The default of a train call in a notebook: a live progress line, unless a dashboard watches."""
+        from kit.widgets.dashboard import default_mode
+
+        if default_mode() != "widget" or any(not d.detached for d in self._dashboards):
+            return
+        if self._progress_line is None:
+            from kit.widgets.progress import ProgressLine
+
+            self._progress_line = ProgressLine(self)
+        self._progress_line.start()
+
+    def _end_progress(self, outcome: str) -> None:
+        if self._progress_line is not None:
+            self._progress_line.finish(outcome)
 
     def _show_dashboard(self) -> None:
         try:
             from IPython.display import display
 
-            if self._live_dashboard is None:  # one live dashboard per session, not one per call
-                self._live_dashboard = self.dashboard()
+            # one per call: the one before stops following, so that its cell keeps its own run's last frame
+            if self._live_dashboard is not None:
+                self._live_dashboard.detach()
+            self._live_dashboard = self.dashboard()
             display(self._live_dashboard)
         except ImportError:
             pass

@@ -30,6 +30,9 @@ class Paused:
     step: int
     reason: str
     paused: bool = True
+    goal: str = "train"  # what the paused call was doing: "train", "epoch" or "steps"
+    steps_left: int = 0  # with goal "steps": how many of its steps it had still to do
+    mode: str = "blocking"  # how it ran: "blocking" (train_*), "awaitable" (train_*_async) or "background"
 
     def __str__(self) -> str:
         return (
@@ -60,7 +63,7 @@ class TrainingLoop:
 
     def train_step(self) -> StepResult | Paused | None:
         """One step of the current epoch (rolling into the next epoch when this one is done)."""
-        return self._run(lambda: self._units("steps", 1))
+        return self._run(lambda: self._units("steps", 1), live=bool(self.live))  # no progress line for one step
 
     def train_steps(self, n: int) -> StepResult | Paused | None:
         """``n`` more steps, continuing where the last call stopped; returns the last StepResult."""
@@ -115,6 +118,7 @@ class TrainingLoop:
         self._guard.clear()
         self._prepare_run(live, allow_finished=goal == "train")
         self._background = {}
+        self._run_mode = "background"
 
         def target() -> None:
             try:
@@ -192,6 +196,7 @@ class TrainingLoop:
                 if goal == "steps" and steps >= n:
                     return last
             if self._guard.requested and not self._all_trained():
+                self._paused_goal = (goal, max(n - steps, 0))
                 return _PAUSED
             yield
 
@@ -211,6 +216,7 @@ class TrainingLoop:
         self._guard.clear()
         with self._guard.held():
             self._prepare_run(live, allow_finished)
+            self._run_mode = "blocking"
             return self._finish_run(self._drive_all(units))
 
     async def _run_async(
@@ -221,17 +227,18 @@ class TrainingLoop:
         self._guard.clear()
         with self._guard.held():
             self._prepare_run(live, allow_finished)
+            self._run_mode = "awaitable"
             gen = units()
             while True:
                 deadline = time.monotonic() + self.yield_every_secs
-                with self._world(), self._errors_tracked():
+                with self._world(), self._errors_tracked(), self.engine.guard.deferred_reads():
                     done, result = _advance(gen, deadline)
                 if done:
                     return self._finish_run(result)
                 await asyncio.sleep(0)  # let the kernel handle widget messages (the Pause button)
 
     def _drive_all(self, units: Callable[[], Generator]) -> Any:
-        with self._world(), self._errors_tracked():
+        with self._world(), self._errors_tracked(), self.engine.guard.deferred_reads():
             return _advance(units(), None)[1]
 
     def _prepare_run(self, live: bool | None, allow_finished: bool) -> None:
@@ -245,8 +252,11 @@ class TrainingLoop:
                 f"all {self.engine.final_epoch} epochs are trained; "
                 "call session.extend(num_epochs) or session.train(num_epochs) to train more"
             )
-        if live if live is not None else self.live:
+        want = live if live is not None else self.live
+        if want:
             self._show_dashboard()
+        elif want is None:
+            self._show_progress()
         self.status = "running"
 
     @contextlib.contextmanager
@@ -270,6 +280,7 @@ class TrainingLoop:
             raise
         except BaseException as exc:
             self.status = f"error: {type(exc).__name__}: {exc}".split("\n")[0]
+            self._end_progress(self.status)
             raise
 
     def _finish_run(self, result: Any) -> Any:
@@ -280,15 +291,20 @@ class TrainingLoop:
             self._guard.clear()
         if self.status == "running":
             self.status = "ready"
+        self._end_progress("finished" if self.status == "finished" else "done")
         return result
 
     def _paused(self) -> Paused:
         p = self.engine.progress
-        paused = Paused(p.epoch, p.step_in_epoch, self._guard.reason or "pause requested")
+        goal, left = getattr(self, "_paused_goal", ("train", 0))
+        paused = Paused(p.epoch, p.step_in_epoch, self._guard.reason or "pause requested", goal=goal,
+                        steps_left=left, mode=getattr(self, "_run_mode", "blocking"))
         self._guard.clear()
         self.status = "paused"
-        logger.warning("%s", paused)
+        # the call returns the note (the cell's result): on stderr too it would show twice, as an error
+        logger.info("%s", paused)
         self.events.emit("interrupt", status=paused)
+        self._end_progress(f"paused at epoch {paused.epoch}, step {paused.step}")
         return paused
 
     def pause(self) -> None:

@@ -37,6 +37,7 @@ class Timeline:
         self.memory_steps: list[int] = []
         self.memory: dict[str, list[int]] = {}  # "memory_allocated"/... or "memory_rss" -> bytes
         self.scores: dict[int, dict[str, float]] = {}  # epoch -> score row
+        self.error_names: set[str] = set()  # losses marked as_error=True (drawn apart from the others)
         self.num_steps = 0  # steps seen (not thinned)
         self.last: dict[str, Any] = {}  # epoch, step, global_train_step, complete_frac, learning_rate
         self._pending: list[tuple[Any, Any]] = []  # (StepResult, memory dict or None)
@@ -57,6 +58,9 @@ class Timeline:
             "learning_rate": result.learning_rate,
         }
         self._walls.append((time.monotonic() if now is None else now, result.global_train_step))
+        errors = getattr(result.step_losses, "errors", None)
+        if errors and not errors <= self.error_names:
+            self.error_names |= errors
         if result.global_train_step % self._stride == 0:
             self._pending.append((result, memory))
 

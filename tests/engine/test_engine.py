@@ -125,7 +125,8 @@ def test_counters_and_step_results_over_epochs():
     assert engine.progress.num_updates == math.ceil(len(ep1) / 2) + math.ceil(len(ep2) / 2)
     assert sum(r.num_seqs for r in ep1) == 120 and ep1[-1].complete_frac == pytest.approx(1.0)
     assert engine.scores.meta(1)["epoch_num_train_steps"] == len(ep1)
-    assert engine.scores.meta(2)["global_train_step"] == len(results)
+    assert engine.scores.meta(2)["global_train_step"] == len(ep1)  # RETURNN's meaning: the epoch's start
+    assert engine.scores.meta(2)["global_train_step_end"] == len(results)
 
 
 def test_train_step_returns_none_at_the_epoch_end_and_the_epoch_must_be_finished():
