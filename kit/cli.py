@@ -62,8 +62,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             engine.setup()
             if _nothing_to_do(engine):
                 return 0
-            with bar.logging_redirected() if bar else contextlib.nullcontext(), \
-                    _final_epoch_line_once(engine.final_epoch):
+            with _final_epoch_line_once(engine.final_epoch), \
+                    bar.logging_redirected() if bar else contextlib.nullcontext():
                 finished = engine.train(should_stop=lambda: guard.requested)
             main = engine.dist is None or engine.dist.is_main  # under torchrun, rank 0 reports
             if not finished:
@@ -77,6 +77,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         last = epochs[-1]
         print(f"finished epoch {last}: " + ", ".join(f"{k} {v:.4g}" for k, v in engine.scores.scores(last).items()))
     return 0
+
+
+def _progress_bar(engine: Any) -> Any:
+    """A tqdm bar when a person watches (stdout and stderr are terminals); log lines alone otherwise."""
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        return None
+    from kit.widgets.terminal import TerminalProgress
+
+    return TerminalProgress(engine.events, lambda: engine.final_epoch,
+                            is_main=lambda: engine.dist is None or engine.dist.is_main)
 
 
 @contextlib.contextmanager
@@ -133,16 +143,6 @@ def _stopped(engine: Any, reason: str, args: argparse.Namespace, main: bool) -> 
             again = " ".join(shlex.quote(a) for a in ["python", "-m", "kit", "train", args.config, *args.overrides])
             print(f"kit: stopped by {name} at {where}; saved {saved.name}. Resume with: {again}", file=sys.stderr)
     return status
-
-
-def _progress_bar(engine: Any) -> Any:
-    """A tqdm bar when a person watches (stdout and stderr are terminals); log lines alone otherwise."""
-    if not (sys.stdout.isatty() and sys.stderr.isatty()):
-        return None
-    from kit.widgets.terminal import TerminalProgress
-
-    return TerminalProgress(engine.events, lambda: engine.final_epoch,
-                            is_main=lambda: engine.dist is None or engine.dist.is_main)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

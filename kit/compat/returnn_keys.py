@@ -163,6 +163,9 @@ _SAME = (
 RETURNN_KEYS: dict[str, ReturnnKey] = {k.name: k for k in _OTHER}
 for _name in _SAME:
     RETURNN_KEYS.setdefault(_name, ReturnnKey(_name, "kit", "see docs/config.md"))
+for _name, _key in list(RETURNN_KEYS.items()):  # a key kit has learned since (e.g. tensorboard_opts)
+    if _name in KEYS and _key.status in ("unsupported", "no effect"):
+        RETURNN_KEYS[_name] = ReturnnKey(_name, "kit", "see docs/config.md")
 
 
 def _seq_ordering_for_train(value: Any, get: Callable[[str], Any]) -> dict[str, Any]:

@@ -53,7 +53,7 @@ class _StepRecord:
     batch: Any
     step_losses: StepLosses
     rng_before: Any  # the torch RNG before user code ran (only with a debugger: replay)
-    rng_after: tuple | None = None  # every global RNG after the step
+    rng_after: tuple | None = None  # torch's RNG after the step (and numpy's / Python's once they are seen used)
 
 
 class NonFiniteGuard:
@@ -69,8 +69,17 @@ class NonFiniteGuard:
         self._buffers: list[torch.Tensor] | None = None
         self._buffer_backup: list[torch.Tensor] = []
         self._opt_backup: list[torch.Tensor] = []
+        self._opt_live: list[torch.Tensor] = []
+        self._opt_host: list[torch.Tensor] = []
+        # (records before the update, host-side state tensors, their values before it), since the last read
+        self._host_log: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]] = []
+        self._opt_state_len = -1
         self._new_state: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # (flag at creation, params)
         self._depth = 0  # open deferred_reads() scopes
+        # numpy's and Python's global RNG cost ~60 µs a step to snapshot: they are recorded per
+        # step only once a read found them drawn from; until then, once per read period
+        self._host_rng_used = False
+        self._host_rng_start: tuple | None = None
 
     # ---- configuration ------------------------------------------------------------------
 
@@ -108,7 +117,9 @@ class NonFiniteGuard:
         """Forget the flag, the records and the backups (after a restore or a config change)."""
         self._found = self._one = self._mode = self._buffers = self._params = None
         self._records.clear()
-        self._buffer_backup, self._opt_backup, self._new_state = [], [], []
+        self._buffer_backup, self._opt_backup, self._opt_live, self._new_state = [], [], [], []
+        self._opt_host, self._host_log = [], []
+        self._opt_state_len = -1
 
     def _flag(self) -> torch.Tensor:
         if self._found is None:
@@ -121,9 +132,13 @@ class NonFiniteGuard:
     # ---- the step's hooks ---------------------------------------------------------------
 
     def begin_step(self) -> None:
-        """Before the step's forward: module buffers get their first backup (once)."""
-        if self.enabled:
-            self._model_buffers()
+        """Before the step's forward: the module buffers' backup, taken fresh whenever no unread
+        step depends on it (so whatever changed them between steps, e.g. a restore, is kept)."""
+        if not self.enabled:
+            return
+        buffers = self._model_buffers()
+        if buffers and (self.mode == "immediate" or not self._records):
+            torch._foreach_copy_(self._buffer_backup, buffers)
 
     def after_backward(self, step_losses: StepLosses, batch: Any, *, rng_before: Any) -> bool:
         """Check this micro-batch's losses and the gradients so far (before any clipping).
@@ -142,6 +157,8 @@ class NonFiniteGuard:
                 return self._report(batch, step_losses, rng_before)
             return True
         self._keep_buffers_on_device(found)
+        if not self._records and not self._host_rng_used:
+            self._host_rng_start = _host_rng()
         self._records.append(_StepRecord(found.clone(), copy.copy(self.engine.progress), batch,
                                          step_losses, rng_before))
         return True
@@ -173,7 +190,7 @@ class NonFiniteGuard:
     def end_step(self) -> None:
         """After the step (deferred mode): the RNG state the next step starts from."""
         if self._records and self._records[-1].rng_after is None:
-            self._records[-1].rng_after = rng.snapshot()
+            self._records[-1].rng_after = rng.snapshot() if self._host_rng_used else _torch_rng()
 
     def account(self, step_losses: StepLosses) -> None:
         """Add a step's losses to the epoch sums; deferred mode adds them once the flag was read."""
@@ -196,19 +213,27 @@ class NonFiniteGuard:
         self._where_step(optimizer, step, self._found)
 
     def _where_step(self, optimizer: torch.optim.Optimizer, step: Callable[[], None], found: torch.Tensor) -> None:
-        known = set(optimizer.state)
-        live = self._state_tensors(optimizer)
-        if len(self._opt_backup) != len(live):
-            self._opt_backup = [t.detach().clone() for t in live]
+        # torch's optimizers update their state tensors in place: the list changes only when state is added
+        if len(optimizer.state) != self._opt_state_len or len(self._opt_backup) != len(self._opt_live):
+            tensors = self._state_tensors(optimizer)
+            # e.g. non-capturable Adam's step counters stay on the CPU beside CUDA parameters: no select
+            # against a device flag there; a host copy per update, put back at the read instead
+            self._opt_live = [t for t in tensors if t.device == found.device]
+            self._opt_host = [t for t in tensors if t.device != found.device]
+            self._opt_backup = [t.detach().clone() for t in self._opt_live]
+            self._opt_state_len = len(optimizer.state)
         else:
-            torch._foreach_copy_(self._opt_backup, live)
+            torch._foreach_copy_(self._opt_backup, self._opt_live)
+        if self._opt_host:
+            self._host_log.append((len(self._records), self._opt_host, [t.clone() for t in self._opt_host]))
+        known = len(optimizer.state)
         step()
         with torch.no_grad():
             bad = torch.ne(found, 0)
-            for now, before in zip(live, self._opt_backup):
+            for now, before in zip(self._opt_live, self._opt_backup):
                 torch.where(bad, before, now, out=now)
-        created = [p for p in optimizer.state if p not in known]
-        if created:  # state made by this update: gone again if the update was a bad one
+        if len(optimizer.state) != known:  # state made by this update: gone again if it was a bad one
+            created = list(optimizer.state)[known:]
             self._new_state.append((found.clone(), created))
 
     @staticmethod
@@ -227,12 +252,8 @@ class NonFiniteGuard:
 
     def _keep_buffers(self, bad: bool) -> None:
         buffers = self._model_buffers()
-        if not buffers:
-            return
-        if bad:  # the bad forward's statistics go; the backup is from before it
+        if buffers and bad:  # the bad forward's statistics go; the backup is from before it
             torch._foreach_copy_(buffers, self._buffer_backup)
-        else:
-            torch._foreach_copy_(self._buffer_backup, buffers)
 
     def _keep_buffers_on_device(self, found: torch.Tensor) -> None:
         buffers = self._model_buffers()
@@ -271,9 +292,17 @@ class NonFiniteGuard:
         good = records if first is None else records[:first]
         for record in good:
             self.engine.accounting.add(record.step_losses)
+        host_rng_kept = self._host_rng_used or _same_host_rng(self._host_rng_start, _host_rng())
+        self._host_rng_used = not host_rng_kept or self._host_rng_used
         new_state, self._new_state = self._new_state, []
+        host_log, self._host_log = self._host_log, []
         if first is not None:
             self._rewind(records[first], new_state)
+            _put_back_host_state(host_log, first)
+            if not host_rng_kept:
+                logger.warning("numpy's or Python's global RNG was drawn from during the %d undone step(s): "
+                               "it is not put back to where it stood after the bad step (torch's RNG is)",
+                               len(records) - first - 1)
             self._report(records[first].batch, records[first].step_losses, records[first].rng_before,
                          later=len(records) - first - 1)
 
@@ -294,7 +323,7 @@ class NonFiniteGuard:
             if state["position"] != batch.batch_idx + 1:
                 pipeline.load_state_dict({**state, "epoch": batch.epoch, "position": batch.batch_idx + 1})
         if record.rng_after is not None:
-            rng.restore(record.rng_after)
+            restore_rng(record.rng_after)
 
     # ---- the report ---------------------------------------------------------------------------
 
@@ -334,6 +363,44 @@ class NonFiniteGuard:
         grads = [f"gradient of {n}" for n, prm in self.engine.model.named_parameters()
                  if prm.grad is not None and not torch.isfinite(prm.grad).all()]
         return bad + grads[:_MAX_NAMED_GRADS] if bad or grads else ["a loss's sum or norm"]
+
+
+def _torch_rng() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _put_back_host_state(host_log: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]], first: int) -> None:
+    """Host-side optimizer state as before the first update that came after the bad micro-batch."""
+    for records_before, tensors, values in host_log:
+        if records_before > first:  # this update closed the window of the bad micro-batch (or a later one)
+            torch._foreach_copy_(tensors, values)
+            return
+
+
+def restore_rng(snapshot: tuple) -> None:
+    """Put back a step record's RNG: every global RNG (``rng.snapshot``), or torch's only."""
+    if len(snapshot) == 4:
+        rng.restore(snapshot)
+        return
+    torch.set_rng_state(snapshot[0])
+    if snapshot[1] is not None:
+        torch.cuda.set_rng_state_all(snapshot[1])
+
+
+def _host_rng() -> tuple:
+    import random
+
+    import numpy as np
+
+    return np.random.get_state(), random.getstate()
+
+
+def _same_host_rng(a: tuple | None, b: tuple) -> bool:
+    if a is None:
+        return True
+    (np_a, py_a), (np_b, py_b) = a, b
+    return bool(py_a == py_b and np_a[0] == np_b[0] and np_a[2:] == np_b[2:] and (np_a[1] == np_b[1]).all())
 
 
 def check_learning_rate(lr: float, source: str, where: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from helpers.models import TinyModel, tiny_config
@@ -220,13 +221,30 @@ def test_skip_policy_keeps_batchnorm_statistics_and_dev_scores_finite():
 # ---- issue 15, item 4: deferred reads rewind to right after the bad step ----------------------
 
 
-def test_deferred_report_rewinds_like_an_immediate_one():
+def numpy_drawing(train_step):
+    """``train_step`` plus a loss term drawn from numpy's global RNG (as augmentation code does)."""
+
+    def wrapped(*, model, extern_data, **kwargs):
+        train_step(model=model, extern_data=extern_data, **kwargs)
+        kit.get_run_ctx().mark_as_loss(torch.tensor(float(np.random.rand())), "noise", as_error=True)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("host_rng", [False, True])
+def test_deferred_report_rewinds_like_an_immediate_one(host_rng):
     """Both modes raise at step 3; the session stands right after it, so training on from there
-    ends on the same weights, optimizer state (Adam's step counts), counters and RNG."""
+    ends on the same weights, optimizer state (Adam's step counts), counters and RNG (numpy's
+    too, once a first read period has seen it drawn from)."""
+    rewind_parity(host_rng)
+
+
+def rewind_parity(host_rng: bool) -> None:
     ends = {}
     for mode in MODES:
-        engine = make_engine(get_model=lambda **_: TinyModel(dropout=0.3), train_step=poisoned_step(loss_at=(3,)),
-                             **mode_keys(mode))
+        step = poisoned_step(loss_at=(3,))
+        engine = make_engine(get_model=lambda **_: TinyModel(dropout=0.3),
+                             train_step=numpy_drawing(step) if host_rng else step, **mode_keys(mode))
         run(engine, 2)
         with pytest.raises(kit.NonFiniteLossError) as info:
             run(engine, 5)  # steps 2..6: deferred runs 4..6 and undoes them
@@ -234,7 +252,8 @@ def test_deferred_report_rewinds_like_an_immediate_one():
         p = engine.progress
         assert (p.global_train_step, p.step_in_epoch, p.num_updates) == (3, 3, 3)
         run(engine, 3)  # steps 3, 4, 5 on the batches after the bad one
-        ends[mode] = (snapshot(engine), engine.progress.state_dict(), torch.get_rng_state())
+        ends[mode] = (snapshot(engine), engine.progress.state_dict(), torch.get_rng_state(),
+                      np.random.get_state()[1].tolist())
     assert equal(ends["immediate"], ends["deferred"])
 
 
@@ -242,10 +261,9 @@ def test_deferred_rewind_negative_control_without_the_rng(monkeypatch):
     # the parity above needs the RNG put back: without it the dropout masks differ
     from kit.engine import guard
 
-    monkeypatch.setattr(guard.rng, "restore", lambda snap: None)
-    test = test_deferred_report_rewinds_like_an_immediate_one
+    monkeypatch.setattr(guard, "restore_rng", lambda snapshot: None)
     with pytest.raises(AssertionError):
-        test()
+        rewind_parity(host_rng=False)
 
 
 @pytest.mark.parametrize("optimizer", [{"class": "adam"}, {"class": "adamw", "fused": True}])

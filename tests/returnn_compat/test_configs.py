@@ -11,7 +11,7 @@ import pytest
 import kit
 from kit.compat.returnn_keys import RETURNN_KEYS, returnn_keys_markdown
 from kit.config.keys import KEYS
-from tests.returnn_compat.helpers import FIXTURES, ROOT, needs_returnn, run_python
+from tests.returnn_compat.returnn_helpers import FIXTURES, ROOT, needs_returnn, run_python
 
 DEMO = str(FIXTURES / "demo-torch.config")
 
