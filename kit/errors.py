@@ -47,6 +47,10 @@ class CorruptCheckpointError(CheckpointError):
     """A checkpoint file is truncated, corrupt, or does not match its manifest."""
 
 
+class PrefixLockedError(CheckpointError, RuntimeError):
+    """Another live run holds the lock on this model prefix (the message names its pid)."""
+
+
 class ScoreFileError(KitError, ValueError):
     """A score / learning-rate file cannot be read (or would need code execution to be read); names the file."""
 

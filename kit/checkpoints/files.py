@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -17,8 +16,9 @@ from typing import IO, Any
 import torch
 
 from kit import fileio
-from kit.checkpoints.naming import checkpoint_file_pattern, checkpoint_paths
+from kit.checkpoints.foreign import foreign_file_error, written_by_kit
 from kit.checkpoints.manifest import read_manifest_file
+from kit.checkpoints.naming import checkpoint_file_pattern, checkpoint_paths
 from kit.checkpoints.safe_load import (  # noqa: F401 - public names of this module before the split
     CheckpointNotFoundError,
     NotSafetensorsError,
@@ -128,7 +128,7 @@ def _sorted(ckpts: list[Checkpoint]) -> list[Checkpoint]:
     def key(c: Checkpoint) -> tuple:
         if c.global_train_step is not None:
             return c.sort_key
-        before = [k.global_train_step for k in known if k.epoch <= c.epoch]
+        before = [k.global_train_step for k in known if k.epoch <= c.epoch and k.global_train_step is not None]
         return (max(before, default=-1), c.epoch, _KINDS.index(c.kind))
 
     return sorted(ckpts, key=key)
@@ -183,7 +183,7 @@ def _write_torch_file(path: str, obj: Any) -> dict:
     ):
         writer = _HashingWriter(f, pool)
         try:
-            torch.save(obj, writer)
+            torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like writer is all torch.save needs
         except BaseException:
             # torch's zip writer replaces a failed write (e.g. ENOSPC) by an opaque "unexpected pos"
             if writer.error is not None:
@@ -231,11 +231,13 @@ def save(
     pattern = checkpoint_file_pattern(prefix)
     for stale in fileio.remove_stale_temp_files(directory, lambda name: pattern.match(name) is not None):
         logger.info("Removed temp file of an interrupted write: %s", stale)
+    if os.path.exists(path) and not os.path.exists(manifest_path) and not written_by_kit(path):
+        raise CheckpointError(foreign_file_error(path))
     if os.path.exists(manifest_path):
         # Overwriting: un-complete the old one first, so that no manifest ever describes mixed files.
         os.unlink(manifest_path)
         fileio.fsync_dir(directory)
-    files = {
+    files: dict[str, dict | None] = {
         "model": _write_torch_file(
             path,
             {

@@ -128,7 +128,6 @@ _OTHER: list[ReturnnKey] = [
     _u("stop_for_resubmission_safety_factor"),
     _u("stop_for_resubmission_when_low_time_left"),
     _u("target"),
-    _u("tensorboard_opts"),
     _u("torch_batching"),
     _u("torch_cuda_graph"),
     _u("torch_dataloader_shard_workers"),
@@ -138,7 +137,6 @@ _OTHER: list[ReturnnKey] = [
     _u("train_dummy_dataset_num_seqs"),
     _u("use_dummy_datasets"),
     _u("use_lovely_tensors"),
-    _u("use_tensorboard"),
     _u("use_train_proc_manager"),
     _u("wandb_opts"),
     _u("watch_memory"),
@@ -159,12 +157,15 @@ _SAME = (
     "newbob_multi_num_epochs newbob_multi_update_interval newbob_relative_error_div_by_old "
     "newbob_relative_error_grow_threshold newbob_relative_error_threshold num_epochs optimizer preload_from_files "
     "random_seed save_interval start_epoch stop_on_nonfinite_train_score task torch_amp torch_dataloader_opts "
-    "torch_distributed torch_log_memory_usage train train_step"
+    "torch_distributed torch_log_memory_usage train train_step use_tensorboard tensorboard_opts"
 ).split()
 
 RETURNN_KEYS: dict[str, ReturnnKey] = {k.name: k for k in _OTHER}
 for _name in _SAME:
     RETURNN_KEYS.setdefault(_name, ReturnnKey(_name, "kit", "see docs/config.md"))
+for _name, _key in list(RETURNN_KEYS.items()):  # a key kit has learned since (e.g. tensorboard_opts)
+    if _name in KEYS and _key.status in ("unsupported", "no effect"):
+        RETURNN_KEYS[_name] = ReturnnKey(_name, "kit", "see docs/config.md")
 
 
 def _seq_ordering_for_train(value: Any, get: Callable[[str], Any]) -> dict[str, Any]:

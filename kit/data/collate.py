@@ -370,7 +370,6 @@ def _fill(out: np.ndarray, flat: np.ndarray, lengths: np.ndarray | None, zero_pa
     if lengths is None or not len(lengths) or bool((lengths == out.shape[1]).all()):
         out[...] = flat.reshape(out.shape)  # no padding: one copy (and the cast to the declared dtype)
         return
-    mask = np.arange(out.shape[1]) < lengths[:, None]
-    if zero_padding:
-        out[~mask] = 0  # a shared block is not zeroed for us
-    out[mask] = flat
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    packing.fill_padded(out, flat, starts, lengths.astype(np.int64), zero_padding=zero_padding, full=False)

@@ -177,7 +177,8 @@ class MetaDataset(Dataset):
         """For every sub-dataset, the index of each control sequence's tag in it."""
         if self._maps is None:
             control = self.datasets[self.control]
-            tags = [control.get_seq_tag(i) for i in range(len(control))]
+            all_tags = getattr(control, "all_tags", None)  # one read per file instead of one per sequence
+            tags = list(all_tags()) if callable(all_tags) else [control.get_seq_tag(i) for i in range(len(control))]
             maps = {self.control: np.arange(len(tags), dtype=np.int64)}
             for name, ds in self.datasets.items():
                 if name != self.control:

@@ -28,7 +28,7 @@ from kit.engine.step import StepOptions, StepResult
 from kit.engine.user_code import annotate_exception, call_user, check_accepts_kwargs
 from kit.errors import ConfigError, DataError, KitError
 from kit.events import Events
-from kit.rng import derive_seed, get_rng_state, seed_all, set_rng_state
+from kit.rng import epoch_seed, get_rng_state, model_init_seed, seed_all, set_rng_state
 from kit.run_ctx import RunCtx, run_ctx_scope
 
 __all__ = ["Engine", "StepOptions", "StepResult"]
@@ -102,7 +102,9 @@ class Engine:
 
             check_optimizer(self.config)
         if self.model_prefix and start_.is_training(self) and (not self.dist or self.dist.is_main):
-            self.prefix_lock = start_.lock_prefix(self.model_prefix)  # 'model' writable and ours, before any step
+            from kit.checkpoints.lock import PrefixLock
+
+            self.prefix_lock = PrefixLock.acquire(self.model_prefix)  # 'model' writable and ours, before any step
         self.datasets = parts.build_datasets(self.config)
         self._attach_config_views()
         self.extern_data = parts.build_extern_data(self.config)
@@ -138,7 +140,7 @@ class Engine:
         get_model = self.config.typed_value("get_model")
         if get_model is None:
             raise ConfigError("config key 'get_model' is not set: expected get_model(*, epoch, step, **kwargs)")
-        seed_all(derive_seed(self.config.int("random_seed"), epoch, step))
+        seed_all(model_init_seed(self.config.int("random_seed"), epoch, step))  # RETURNN's: the same init
         model = call_user(get_model, "get_model", epoch=epoch, step=step)
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"config key 'get_model': returned {type(model).__name__}, expected a torch.nn.Module")
@@ -230,6 +232,7 @@ class Engine:
                             time.perf_counter() - t0, batch.num_seqs, batch.complete_frac, step_losses, grad_norm)
         p.step_in_epoch += 1
         p.global_train_step += 1
+        p.last_complete_frac = batch.complete_frac if batch.complete_frac is not None else p.last_complete_frac
         self.guard.end_step()
         self.events.emit("step_end", result=result)
         if probe_lr is not None:
@@ -293,9 +296,12 @@ class Engine:
     def _set_step_learning_rate(self, batch: Any, opts: StepOptions) -> float:
         lr = self._epoch_lr
         if opts.dynamic_learning_rate is not None:
+            # RETURNN sets the lr before a step from the position after the previous one
+            # (epoch - 1 at the first step of an epoch), not from the batch about to be trained
             lr = self.lr_control.dynamic_learning_rate(
                 global_train_step=self.progress.global_train_step, epoch=self.progress.epoch,
-                epoch_continuous=self._epoch_continuous(batch), learning_rate=self._epoch_lr)
+                epoch_continuous=self.progress.epoch - 1 + self.progress.last_complete_frac,
+                learning_rate=self._epoch_lr)
             check_learning_rate(lr, "config key 'dynamic_learning_rate'", f"global step {self.progress.global_train_step}")
         if lr != self._step_lr:
             self.updater.set_learning_rate(lr)
@@ -325,11 +331,12 @@ class Engine:
         # randomness depends on (random_seed, epoch, global step) only, not on process history
         # (and on the rank: DDP ranks must not all draw the same dropout masks)
         rank = (self.dist.rank,) if self.dist and self.dist.rank else ()  # rank 0 draws as one process
-        seed_all(derive_seed(self.config.int("random_seed"), p.epoch, p.global_train_step, *rank))
+        seed_all(epoch_seed(p.epoch, p.global_train_step, self.config.int("random_seed"), *rank))  # RETURNN's
         self.train_pipeline.set_epoch(p.epoch)
         self.accounting = EpochAccounting()
         p.epoch_running, p.steps_exhausted, p.step_in_epoch = True, False, 0
         p.skipped_updates_in_epoch, p.epoch_start_global_step = 0, p.global_train_step
+        p.last_complete_frac = 0.0
         self._epoch_start_time = time.time()
         self.model.train()
         logger.info("start epoch %d, global train step %d, learning rate %g", p.epoch, p.global_train_step,

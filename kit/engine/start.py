@@ -322,13 +322,6 @@ def init_weights(engine: Any, start: Start) -> None:
         checkpoints.apply_load_model_post_hooks(model, hooks)
 
 
-def lock_prefix(prefix: str) -> Any:
-    """The run's lock on its model prefix (also the check that checkpoints can be written there)."""
-    from kit.checkpoints.lock import PrefixLock
-
-    return PrefixLock.acquire(prefix)
-
-
 # keys that a resumed run may change without it being another run
 _RESUME_FREE_KEYS = {"num_epochs", "log_every_n_steps", "log_verbosity", "device", "debug_hook",
                      "torch_log_memory_usage", "cleanup_old_models", "save_every_n_steps"}

@@ -186,7 +186,8 @@ class Updater:
         param_groups_custom: Callable[..., list[dict[str, Any]]] | None,
     ) -> list[dict[str, Any]]:
         if param_groups_custom is not None:
-            groups = param_groups_custom(model=self.model, optimizer_class=cls, optimizer_opts=dict(opts))
+            groups = param_groups_custom(model=self.model, rf_model=_rf_module(self.model), optimizer_class=cls,
+                                         optimizer_opts=dict(opts))
             if not isinstance(groups, (list, tuple)) or not all(
                 isinstance(g, dict) and "params" in g for g in groups
             ):

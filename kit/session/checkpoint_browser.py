@@ -27,6 +27,10 @@ def _stat_key(path: str) -> tuple[int, int] | None:
         return None
     return st.st_size, st.st_mtime_ns
 
+# the table's columns (score columns and is_best_* follow when there are scores)
+TABLE_COLUMNS = ("name", "kind", "epoch", "global_train_step", "path", "size_mb", "time", "complete", "verified",
+                 "would_remove")
+
 
 class CheckpointBrowser:
     def __init__(self, session: Any):
@@ -103,7 +107,7 @@ class CheckpointBrowser:
             if c.kind == "epoch" and c.epoch in scores.epochs:
                 row.update(scores.scores(c.epoch))
             rows.append(row)
-        frame = pd.DataFrame(rows)
+        frame = pd.DataFrame(rows, columns=None if rows else list(TABLE_COLUMNS))  # empty: the columns stay
         for key in [k for k in frame.columns if "_loss_" in k or k.endswith("_score")]:
             best = frame[key].min()
             frame[f"is_best_{key}"] = frame[key] == best

@@ -415,8 +415,30 @@ class Session(TrainingLoop, Debugging):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    @property
+    def resume_plan(self) -> str | None:
+        """Before first use: where training will continue ("will resume from model.002, epoch 3"), read from
+        the newest complete checkpoint's name (nothing is built, loaded or verified); None when it starts fresh."""
+        from kit.checkpoints import list_checkpoints
+
+        engine = self.engine
+        prefix = engine.model_prefix
+        if engine.is_set_up or not prefix or self.config.typed_value("start_epoch") not in ("auto", None):
+            return None
+        newest = next((c for c in reversed(list_checkpoints(prefix)) if c.complete), None)
+        if newest is None:
+            return None
+        if newest.kind == "epoch" and newest.epoch >= engine.final_epoch:
+            return f"trained to epoch {newest.epoch} (num_epochs={engine.final_epoch}), from {newest.name}"
+        epoch = newest.epoch + 1 if newest.kind == "epoch" else newest.epoch
+        step = f", global step {newest.global_train_step}" if newest.kind == "step" else ""
+        return f"will resume from {newest.name}, epoch {epoch}{step}"
+
     def __repr__(self) -> str:
         p = self.engine.progress
+        plan = self.resume_plan
+        if plan is not None:
+            return f"<kit.Session {self.status}: {plan}>"
         return (f"<kit.Session {self.status}: epoch {p.epoch}/{self.config.int('num_epochs')}, "
                 f"step {p.step_in_epoch}, global step {p.global_train_step}>")
 

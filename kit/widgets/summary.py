@@ -10,14 +10,10 @@ def session_html(session: Any) -> str:
     """Device, model size, position, learning rate, last scores and checkpoints of a Session."""
     engine = session.engine
     p = engine.progress
-    rows = [
-        ("status", session.status),
-        (
-            "position",
-            f"epoch {p.epoch} of {engine.final_epoch}, step {p.step_in_epoch}, "
-            f"global step {p.global_train_step}, {p.num_updates} updates",
-        ),
-    ]
+    plan = session.resume_plan  # before first use: where it will continue, not "epoch 1, step 0"
+    position = plan or (f"epoch {p.epoch} of {engine.final_epoch}, step {p.step_in_epoch}, "
+                        f"global step {p.global_train_step}, {p.num_updates} updates")
+    rows = [("status", session.status), ("position", position)]
     if engine.model is not None:
         n = sum(t.numel() for t in engine.model.parameters())
         rows += [

@@ -32,11 +32,11 @@ class CountingTags(ArrayDataset):
         return super().get_seq_tag(idx)
 
 
-def seqs(n=23, seed=0, dtype=np.float64, extra=True):
+def seqs(n=23, seed=0, dtype=np.float64, extra=True, max_len=8):
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        t = int(rng.integers(1, 9))
+        t = int(rng.integers(1, max_len + 1))
         seq = {"data": rng.normal(size=(t, 3)).astype(dtype), "classes": rng.integers(0, 5, t).astype(np.int32)}
         if extra:
             seq["speaker"] = np.array(rng.integers(0, 4))  # 0-dim, not declared
@@ -66,10 +66,12 @@ def assert_same_batches(a, b):
         {"batch_size": 1000, "max_seqs": 4, "seq_ordering": "random"},
         {"batch_size": 30, "chunking": (3, 2)},
         {"batch_size": 50, "chunking": ({"data": 4, "classes": 4, "frames": 4}, 4)},
+        {"batch_size": 400, "max_len": 60},
     ],
 )
 def test_packed_batches_equal_per_sequence_batches(extern_data, opts):
-    data = seqs()
+    opts = dict(opts)
+    data = seqs(max_len=opts.pop("max_len", 8))
     fast, slow = ArrayDataset(data), PerSeq(data)
     assert fast.packed() is not None and slow.packed() is None  # both paths really run
     a = list(batches(fast, extern_data=extern_data, **opts))
@@ -82,8 +84,9 @@ def test_packed_batches_equal_per_sequence_batches(extern_data, opts):
     assert a[0]["speaker"].lengths is None and a[0]["frames"].lengths is not None
 
 
-def test_padding_is_zero_and_rows_are_the_sequences():
-    data = seqs(extra=False)
+@pytest.mark.parametrize("max_len", [8, 60])  # short rows: one masked gather; long rows: a copy per row
+def test_padding_is_zero_and_rows_are_the_sequences(max_len):
+    data = seqs(extra=False, max_len=max_len)
     (b,) = list(batches(ArrayDataset(data), extern_data=SPEC, batch_size=10**6))
     for row, seq in enumerate(data):
         t = len(seq["classes"])
@@ -190,8 +193,9 @@ def test_mixed_tensors_and_arrays_are_joined():
     assert fields["x"].tensor.tolist() == [[[0.0] * 3, [0.0] * 3], [[1.0] * 3, [0.0] * 3]]
 
 
-def test_packed_with_workers_equals_without():
-    data = seqs(n=40, seed=3)
+@pytest.mark.parametrize("max_len", [8, 60])
+def test_packed_with_workers_equals_without(max_len):
+    data = seqs(n=40, seed=3, max_len=max_len)
     ref = Pipeline(ArrayDataset(data), extern_data=SPEC, batch_size=30, chunking=(4, 3))
     par = Pipeline(ArrayDataset(data), extern_data=SPEC, batch_size=30, chunking=(4, 3), num_workers=2)
     try:

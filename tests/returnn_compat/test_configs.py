@@ -11,7 +11,7 @@ import pytest
 import kit
 from kit.compat.returnn_keys import RETURNN_KEYS, returnn_keys_markdown
 from kit.config.keys import KEYS
-from tests.returnn_compat.helpers import FIXTURES, ROOT, needs_returnn, run_python
+from tests.returnn_compat.returnn_helpers import FIXTURES, ROOT, needs_returnn, run_python
 
 DEMO = str(FIXTURES / "demo-torch.config")
 
@@ -68,13 +68,13 @@ def test_loading_a_config_leaves_no_returnn_stand_in_behind(tmp_path):
 
 def test_unsupported_returnn_keys_are_named_in_one_warning(tmp_path, caplog):
     path = tmp_path / "c.config"
-    path.write_text("torch_profile = True\nuse_tensorboard = True\nbackend = 'torch'\nbatching = 'sorted'\n"
+    path.write_text("torch_profile = True\nwatch_memory = True\nbackend = 'torch'\nbatching = 'sorted'\n"
                     "train = {'class': 'Task12AXDataset', 'num_seqs': 5}\nmax_seqs = -1\n")
     with caplog.at_level(logging.WARNING, logger="kit"):
         config = kit.Config.from_file(path)
     warnings = [r.getMessage() for r in caplog.records if "not supported by kit" in r.getMessage()]
     assert len(warnings) == 1
-    assert "'torch_profile'" in warnings[0] and "'use_tensorboard'" in warnings[0]
+    assert "'torch_profile'" in warnings[0] and "'watch_memory'" in warnings[0]
     assert "backend" not in warnings[0]  # 'torch': no effect, nothing to warn about
     assert config.typed_value("train")["seq_ordering"] == "sorted"  # RETURNN's batching
     assert config.typed_value("max_seqs") is None  # RETURNN's -1: no limit

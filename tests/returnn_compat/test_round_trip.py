@@ -11,10 +11,11 @@ import hashlib
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from kit.scores import parse_returnn_lr_file
-from tests.returnn_compat.helpers import FIXTURES, needs_returnn, run_python
+from tests.returnn_compat.returnn_helpers import FIXTURES, needs_returnn, run_python
 
 CONFIG = str(FIXTURES / "shared_run.config")
 
@@ -78,3 +79,31 @@ def test_kit_without_returnns_optimizer_state_diverges(tmp_path):
     log = _kit(mixed, "num_epochs=3")
     assert "fresh optimizer" in log
     assert _lr_file(alone)[3]["scores"] != _lr_file(mixed)[3]["scores"]
+
+
+VARIANTS = ["seq_len", "dynamic_lr", "weight_decay", "lr_multiplier", "bf16", "clip_sgd"]
+
+
+@needs_returnn
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kit_equals_returnn(tmp_path, variant):
+    """Two epochs of the same config under RETURNN and under kit: every step's loss, the
+    learning-rate file and the final weights are equal to the last bit."""
+    results = {}
+    for runner in ("returnn", "kit"):
+        run_dir = tmp_path / runner
+        run_dir.mkdir()
+        env = {"RUN_DIR": str(run_dir), "STEP_LOG": str(run_dir / "steps"), "VARIANT": variant}
+        if runner == "returnn":
+            run_python(["-m", "returnn", CONFIG, "++num_epochs", "2"], env=env)
+        else:
+            run_python(["-m", "kit", "train", CONFIG, "num_epochs=2"], env=env)
+        results[runner] = ((run_dir / "steps").read_text(), _lr_file(run_dir),
+                           torch.load(run_dir / "model.002.pt", weights_only=True)["model"])
+    (steps_r, lrs_r, weights_r), (steps_k, lrs_k, weights_k) = results["returnn"], results["kit"]
+    assert steps_k == steps_r and len(steps_r.splitlines()) > 4
+    for epoch in (1, 2):
+        assert lrs_k[epoch]["learning_rate"] == lrs_r[epoch]["learning_rate"]
+        assert lrs_k[epoch]["scores"] == lrs_r[epoch]["scores"]
+    assert weights_k.keys() == weights_r.keys()
+    assert all(torch.equal(weights_k[k], weights_r[k]) for k in weights_r)
