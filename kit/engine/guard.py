@@ -270,10 +270,17 @@ class NonFiniteGuard:
         self._depth += 1
         try:
             yield
-        finally:
+        except Exception:
             self._depth -= 1
             if self._depth == 0:
-                self.check()
+                self.check()  # a bad step before the error comes first (the error is its context)
+            raise
+        except BaseException:  # an interrupt: the next read reports a bad step, the state stays as it is
+            self._depth -= 1
+            raise
+        self._depth -= 1
+        if self._depth == 0:
+            self.check()
 
     def step_returned(self) -> None:
         """The end of ``Engine.train_step``: a bare call (outside any driver's call) reads the flag."""

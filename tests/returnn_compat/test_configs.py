@@ -153,3 +153,14 @@ def test_returnn_keys_doc_is_generated_and_fresh():
 @pytest.mark.parametrize("name", ["batching", "torch_profile", "online_shuffle_batches"])
 def test_returnn_only_keys_are_not_kit_keys(name):
     assert name not in KEYS and name in RETURNN_KEYS
+
+
+def test_demo_config_through_session_from_config(tmp_path):
+    small = {"class": "Task12AXDataset", "num_seqs": 20}
+    with kit.Session.from_config(DEMO, model=f"{tmp_path}/model", learning_rate_file=f"{tmp_path}/lr", num_epochs=1,
+                                 train=small, dev=dict(small, num_seqs=6, fixed_random_seed=1)) as session:
+        session.train()
+        assert set(session.scores.columns) >= {"train_loss_ce", "train_loss_fer", "dev_loss_ce"}
+        result = session.forward(kit.data.Task12AXDataset(3, seed=5))
+        outputs = result.to_pandas()
+        assert len(outputs) == 3
