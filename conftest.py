@@ -14,6 +14,9 @@ import pytest
 # Test runs (tests and nbval kernels alike) use one thread per process: the models are tiny and
 # CI has two cores shared with subprocesses and kernels.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# nbval kernels (also when only notebooks/ is collected) show kit's views in text mode: no live
+# progress line or widget in a checked cell's output (tests/conftest.py sets the same for tests/)
+os.environ.setdefault("KIT_TEST", "1")
 
 SANITIZE_FILE = Path(__file__).resolve().parent / "notebooks" / "nbval_sanitize.cfg"
 

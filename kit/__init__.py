@@ -39,7 +39,7 @@ _LAZY = {
     "DebugContext": "kit.debug",
 }
 _SUBMODULES = {"data", "engine", "checkpoints", "scores", "run_ctx", "debug", "widgets", "events",
-               "distributed", "cli", "config", "rng", "fileio", "session"}
+               "distributed", "cli", "config", "rng", "fileio", "session", "examples", "compat"}
 _MOVED = {"distributed": "kit.engine.distributed"}  # kit.distributed: the torchrun context, now under the engine
 
 __all__ = [

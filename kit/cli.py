@@ -2,14 +2,25 @@
 
 The same Engine methods as the notebook Session. Errors print one clear message and
 exit non-zero; ``--debug`` shows the traceback.
+
+``train`` stops cleanly on Ctrl-C (SIGINT), SIGTERM and SIGUSR1 (what SLURM sends before a
+time limit or pre-emption, e.g. ``sbatch --signal=USR1@120``): the current step finishes, a
+step checkpoint is written, a line on stderr says how to resume, and the exit status is
+128 + the signal's number (130, 143, 138). The same command resumes bit-exactly. A second
+Ctrl-C within a second stops at once, without saving. These handlers live only here: library
+code installs none (the Session's own interrupt guard aside).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import logging
+import shlex
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from kit.errors import KitError
@@ -34,21 +45,105 @@ def _config(args: argparse.Namespace) -> Any:
     return Config.from_file(args.config, **overrides)
 
 
+# exit status after a stop by signal: 128 + its number, as a shell reports a process killed by it
+STOP_SIGNALS = {"interrupt": ("SIGINT", 130), "SIGTERM": ("SIGTERM", 143), "SIGUSR1": ("SIGUSR1", 138)}
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    """Train to ``num_epochs``; Ctrl-C, SIGTERM or SIGUSR1 stop at the next step boundary with a step checkpoint."""
     from kit.engine.engine import Engine
+    from kit.session.interrupts import InterruptGuard
 
     engine = Engine(_config(args))
+    guard = InterruptGuard()
+    bar = _progress_bar(engine) if not args.quiet else None
     try:
-        engine.train()
-        main = engine.dist is None or engine.dist.is_main  # under torchrun, rank 0 reports
+        with guard.held(), _requests_on(guard, "SIGTERM", "SIGUSR1"):
+            engine.setup()
+            if _nothing_to_do(engine):
+                return 0
+            with _final_epoch_line_once(engine.final_epoch), \
+                    bar.logging_redirected() if bar else contextlib.nullcontext():
+                finished = engine.train(should_stop=lambda: guard.requested)
+            main = engine.dist is None or engine.dist.is_main  # under torchrun, rank 0 reports
+            if not finished:
+                return _stopped(engine, guard.reason, args, main)
     finally:
+        if bar:
+            bar.close()
         engine.close()
     table = engine.built_scores
     epochs = [e for e in table.epochs if table.has_scores(e)]
-    if main and epochs:  # stdout: one line for scripts (the log on stderr says the same and more)
+    if main and epochs:  # stdout: one line for scripts (the log on stderr leaves this one to it)
         last = epochs[-1]
         print(f"finished epoch {last}: " + ", ".join(f"{k} {v:.4g}" for k, v in table.scores(last).items()))
     return 0
+
+
+def _progress_bar(engine: Any) -> Any:
+    """A tqdm bar when a person watches (stdout and stderr are terminals); log lines alone otherwise."""
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        return None
+    from kit.widgets.terminal import TerminalProgress
+
+    return TerminalProgress(engine.events, lambda: engine.final_epoch,
+                            is_main=lambda: engine.dist is None or engine.dist.is_main)
+
+
+@contextlib.contextmanager
+def _requests_on(guard: Any, *names: str) -> Iterator[None]:
+    """While training, the named signals ask ``guard`` to stop at the next step boundary (as Ctrl-C does)."""
+    wanted = [getattr(signal, n) for n in names if hasattr(signal, n)]
+    previous = {s: signal.signal(s, lambda signum, _frame: guard.request(signal.Signals(signum).name))
+                for s in wanted}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _nothing_to_do(engine: Any) -> bool:
+    p = engine.progress
+    if p.epoch_running or p.epoch <= engine.final_epoch:
+        return False
+    if engine.dist is None or engine.dist.is_main:
+        print(f"already trained to epoch {p.epoch - 1} \u2265 num_epochs={engine.final_epoch}: nothing to do")
+    return True
+
+
+@contextlib.contextmanager
+def _final_epoch_line_once(final_epoch: int) -> Iterator[None]:
+    """The engine logs "finished epoch N" and the CLI prints the final one on stdout: show it once."""
+
+    def not_the_final_line(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(f"finished epoch {final_epoch}:")
+
+    handlers = logging.getLogger().handlers
+    for h in handlers:
+        h.addFilter(not_the_final_line)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(not_the_final_line)
+
+
+def _stopped(engine: Any, reason: str, args: argparse.Namespace, main: bool) -> int:
+    """After a stop by signal: a step checkpoint where the run stopped, a line saying how to resume."""
+    name, status = STOP_SIGNALS.get(reason, (reason, 130))
+    p = engine.progress
+    saved = engine.last_checkpoint
+    if engine.model_prefix and (saved is None or saved.global_train_step != p.global_train_step):
+        saved = engine.save_checkpoint(kind="step")
+    if main:
+        where = f"epoch {p.epoch}, step {p.step_in_epoch} (global step {p.global_train_step})"
+        if saved is None:
+            print(f"kit: stopped by {name} at {where}; nothing saved (no 'model' set)", file=sys.stderr)
+        else:
+            again = " ".join(shlex.quote(a) for a in ["python", "-m", "kit", "train", args.config, *args.overrides])
+            print(f"kit: stopped by {name} at {where}; saved {saved.name}. Resume with: {again}", file=sys.stderr)
+    return status
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -87,27 +182,54 @@ def cmd_forward(args: argparse.Namespace) -> int:
     return 0
 
 
+_SCORE_SUFFIX = ".scores.json"
+
+
+def _run_paths(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(model prefix, score file) of what the user named: a config file, a model prefix or a score file."""
+    import os
+
+    what = args.config
+    if what.endswith((".py", ".config")) or (os.path.isfile(what) and _looks_like_config(what)):
+        from kit.engine.parts import score_file_path
+
+        config = _config(args)
+        return config.typed_value("model"), score_file_path(config)
+    if what.endswith(_SCORE_SUFFIX):
+        return what[: -len(_SCORE_SUFFIX)], what
+    if os.path.isfile(what):  # another score file (e.g. RETURNN's learning_rate_file): no prefix in its name
+        return None, what
+    return what, what + _SCORE_SUFFIX  # a model prefix
+
+
+def _looks_like_config(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(256).lstrip()
+    return head.startswith(b"#!rnn.py") or head.startswith(b"#!/usr/bin/env") or head[:1] not in (b"{", b"")
+
+
 def cmd_scores(args: argparse.Namespace) -> int:
     from kit.scores import ScoreTable
 
-    path = args.config
-    if path.endswith(".py"):
-        from kit.engine.parts import score_file_path
-
-        path = score_file_path(_config(args))
-    table = ScoreTable.load(path)
-    print(table)
+    _, path = _run_paths(args)
+    if not path:
+        raise KitError(f"{args.config}: no score file (set 'model' or 'learning_rate_file')")
+    print(ScoreTable.load(path))
     return 0
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     from kit import checkpoints
 
-    prefix = _config(args).typed_value("model")
+    prefix, _ = _run_paths(args)
     if not prefix:
-        raise KitError(f"{args.config}: config key 'model' is not set")
-    for ckpt in checkpoints.list_checkpoints(prefix):
+        raise KitError(f"{args.config}: no model prefix (the config key 'model' is not set, or a score file "
+                       f"not named <prefix>{_SCORE_SUFFIX})")
+    found = checkpoints.list_checkpoints(prefix)
+    for ckpt in found:
         print(ckpt)
+    if not found:
+        print(f"no checkpoints under {prefix!r}")
     return 0
 
 
@@ -119,10 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, text in [("train", cmd_train, "train up to num_epochs (resumes automatically)"),
                            ("eval", cmd_eval, "evaluate the eval datasets"),
                            ("forward", cmd_forward, "run forward_step over forward_data"),
-                           ("scores", cmd_scores, "print the score table (config or score file)"),
-                           ("checkpoints", cmd_checkpoints, "list checkpoints")]:
+                           ("scores", cmd_scores, "print the score table (config, model prefix or score file)"),
+                           ("checkpoints", cmd_checkpoints, "list checkpoints (config, model prefix or score file)")]:
         p = sub.add_parser(name, help=text)
-        p.add_argument("config", help="RETURNN-style Python config file")
+        p.add_argument("config", help="RETURNN-style Python config file" if name not in ("scores", "checkpoints")
+                       else "a config file, a model prefix or a score file")
         p.add_argument("overrides", nargs="*", help="key=value (Python literal, else string)")
         if name == "forward":
             p.add_argument("--output", default="forward_outputs.npz", help="npz file when no forward_callback")

@@ -27,10 +27,11 @@ class NonFiniteLossError(KitError, FloatingPointError):
     """A loss or gradient norm was NaN/Inf; the update was not applied."""
 
     def __init__(self, message: str, *, epoch: int | None = None, step: int | None = None,
-                 nonfinite: list[str] | None = None):
+                 nonfinite: list[str] | None = None, global_train_step: int | None = None):
         super().__init__(message)
         self.epoch = epoch
         self.step = step
+        self.global_train_step = global_train_step
         self.nonfinite = list(nonfinite or [])
 
 
@@ -44,6 +45,10 @@ class UnsafeCheckpointError(CheckpointError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint file is truncated, corrupt, or does not match its manifest."""
+
+
+class PrefixLockedError(CheckpointError, RuntimeError):
+    """Another live run holds the lock on this model prefix (the message names its pid)."""
 
 
 class ScoreFileError(KitError, ValueError):

@@ -10,7 +10,8 @@ driver (a Session's train_* calls, ``python -m kit train``, torchrun)::
         for batch in epoch:
             step_begin(epoch, step, batch)
             train_step(model=, extern_data=)      user code under the run context
-            nonfinite(error)                      guard fired, *before* any update
+            nonfinite(error)                      guard fired, *before* any update (deferred
+                                                  mode: when the flag is read, rewound to the bad step)
             step_end(result)                      StepResult, losses still on device
             checkpoint_saved(checkpoint)          every save_every_n_steps
         eval_begin(datasets)

@@ -70,7 +70,7 @@ class LRFindResult(pd.DataFrame):
 
 
 def lr_find(engine: Engine, *, start_lr: float = 1e-7, end_lr: float = 10.0, num_steps: int = 100,
-            smoothing: float = 0.98, diverge_factor: float = 4.0, loss: str | None = None) -> LRFindResult:
+            smoothing: float = 0.9, diverge_factor: float = 4.0, loss: str | None = None) -> LRFindResult:
     """Run the sweep on ``engine`` (set up for training) and put its state back; see the module doc.
 
     Args:
@@ -183,28 +183,33 @@ def _result(rows: list[tuple[float, float]], smoothing: float, reason: str, name
 
 
 def suggest(frame: pd.DataFrame) -> float | None:
-    """The lr of the steepest fall of the smoothed loss over log lr, up to the loss minimum."""
+    """The lr of the steepest fall of the smoothed loss over log lr, before the loss minimum.
+
+    The first tenth of the sweep is left out: there the moving average is still settling and
+    the loss barely moves, so noise would pass for a slope.
+    """
     import numpy as np
 
-    if len(frame) < 3:
-        return None
     loss = frame["smoothed_loss"].to_numpy(dtype=float)
     lr = frame["lr"].to_numpy(dtype=float)
-    finite = np.isfinite(loss)
-    end = int(np.nanargmin(np.where(finite, loss, np.nan))) + 1
-    if end < 3:
-        return float(lr[0])
-    slope = np.gradient(loss[:end], np.log(lr[:end]))
-    return float(lr[int(np.argmin(slope))])
+    begin = max(2, len(loss) // 10)
+    if len(loss) - begin < 3 or not np.isfinite(loss[begin:]).any():
+        return None
+    end = begin + int(np.nanargmin(np.where(np.isfinite(loss[begin:]), loss[begin:], np.nan))) + 1
+    if end - begin < 2:
+        return float(lr[begin])
+    slope = np.gradient(loss[begin:end], np.log(lr[begin:end]))
+    return float(lr[begin + int(np.argmin(slope))])
 
 
 def plot_sweep(frame: Any) -> Any:
     """Loss over lr (log axis), raw and smoothed, with the suggestion marked; axes fitted to the curve."""
     import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6, 3.2), dpi=100)
+    from kit.widgets.training_plot import PlotFigure
+
+    fig = PlotFigure(figsize=(6, 3.2), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     name = getattr(frame, "loss_name", None) or "loss"
@@ -215,8 +220,11 @@ def plot_sweep(frame: Any) -> Any:
     ax.set_ylabel(name)
     smoothed = frame["smoothed_loss"].to_numpy(dtype=float)
     smoothed = smoothed[np.isfinite(smoothed)]
+    raw = frame["loss"].to_numpy(dtype=float)
+    raw = raw[np.isfinite(raw)]
     if len(smoothed):  # the divergence tail would squash the interesting part: cap at 1.5x the start
-        lo, hi = float(smoothed.min()), float(min(smoothed.max(), 1.5 * smoothed[0]))
+        lo = float(min(smoothed.min(), raw.min() if len(raw) else smoothed.min()))
+        hi = float(min(smoothed.max(), 1.5 * smoothed[0]))
         pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 0.5
         ax.set_ylim(lo - pad, hi + pad)
     lr = getattr(frame, "suggestion", None)

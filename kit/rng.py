@@ -6,6 +6,7 @@ with ``torch.load(weights_only=True)`` and no allow-list.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -61,6 +62,18 @@ def derive_seed(*parts: int) -> int:
         h = ((h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 29
     return h % (2**31 - 1)
+
+
+def model_init_seed(random_seed: int, epoch: int, step: int) -> int:
+    """RETURNN's seed before ``get_model``: the same initial weights as RETURNN for the same config."""
+    return (epoch * 193939 + step * 19937 + random_seed * 27644437 + 479001599) % (2**31)
+
+
+def epoch_seed(*parts: int) -> int:
+    """RETURNN's seed at an epoch start from ``(epoch, global_train_step, random_seed[, rank])``:
+    the first 4 bytes (big-endian) of the sha256 of the parts as signed 64-bit big-endian ints."""
+    combined = b"".join(int(p).to_bytes(8, "big", signed=True) for p in parts)
+    return int.from_bytes(hashlib.sha256(combined).digest()[:4], "big")
 
 
 def snapshot() -> tuple:

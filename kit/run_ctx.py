@@ -206,8 +206,9 @@ class RunCtx:
         if self.losses:
             return (f"train_step marked only error losses (as_error=True): {', '.join(self.losses)}; "
                     "mark at least one differentiable loss with mark_as_loss(...)")
-        message = ('train_step marked no loss: call kit.get_run_ctx().mark_as_loss(loss, "ce") inside '
-                   "train_step (per frame with reduction='none', or a scalar)")
+        message = ('train_step marked no loss: mark at least one differentiable loss with '
+                   'kit.get_run_ctx().mark_as_loss(loss, "ce") inside train_step (per frame with '
+                   "reduction='none', or a scalar)")
         if isinstance(self.returned, torch.Tensor):
             message += ("; it returned a tensor instead, but kit ignores return values (unlike Lightning): "
                         'replace `return loss` by kit.get_run_ctx().mark_as_loss(loss, "loss")')

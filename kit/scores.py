@@ -213,15 +213,24 @@ class ScoreTable:
             out.append(rec)
         return out
 
-    def to_pandas(self) -> Any:
-        """A ``pandas.DataFrame`` indexed by ``epoch``, one column per lr / score / meta key."""
+    def to_pandas(self, part: str = "all") -> Any:
+        """A ``pandas.DataFrame`` indexed by ``epoch``, one column per lr / score / meta key.
+
+        ``part``: ``"all"`` (every column, as the file), ``"scores"`` (learning rate and scores,
+        what ``session.scores`` shows) or ``"meta"`` (the run's metadata: steps, times, host, versions).
+        """
         import pandas as pd
 
+        if part not in ("all", "scores", "meta"):
+            raise ValueError(f"ScoreTable.to_pandas(part={part!r}): expected 'all', 'scores' or 'meta'")
         columns = self.columns()
         # a row that only holds the learning rate of an epoch not finished yet is not an epoch's row
         records = [r for r in self.records() if self._rows[r["epoch"]]["scores"] or self._rows[r["epoch"]]["meta"]]
-        frame = pd.DataFrame.from_records(records, columns=["epoch", *columns])
-        return frame.set_index("epoch")
+        frame = pd.DataFrame.from_records(records, columns=["epoch", *columns]).set_index("epoch")
+        if part == "all":
+            return frame
+        scores = ["learning_rate", *(k for k in columns if k in self._all_score_keys())]
+        return frame[scores] if part == "scores" else frame[[c for c in columns if c not in scores]]
 
     def __repr__(self) -> str:
         where = f" {self.path}" if self.path else ""

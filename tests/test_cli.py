@@ -215,3 +215,48 @@ def test_forward_writes_outputs_cut_per_sequence(trained, capsys, tmp_path):
     assert sorted(arrays.files) == sorted(f"{ds.get_seq_tag(i)}/classes" for i in range(10))
     for i in range(10):
         assert arrays[f"{ds.get_seq_tag(i)}/classes"].shape == (ds.get_seq_length(i)["data"],)
+
+
+# ---- progress on a terminal -------------------------------------------------------------------
+
+
+def _run_on_a_tty(args: list[str], cwd: Path) -> str:
+    """``python -m kit ...`` with stdout and stderr on a pseudo-terminal; everything it wrote."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    env = dict(os.environ, PYTHONPATH=str(Path(kit.__file__).resolve().parents[1]))
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a 120-column terminal
+    proc = subprocess.Popen([sys.executable, "-m", "kit", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                            stdout=follower, stderr=follower)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(timeout=120)
+    os.close(leader)
+    assert proc.returncode == 0, b"".join(chunks).decode(errors="replace")
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_train_on_a_terminal_shows_a_progress_bar_with_step_eta_and_losses(tmp_path):
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(CONFIG)
+    out = _run_on_a_tty(["train", str(cfg), "num_epochs=2", f"model={tmp_path / 'model'}"], tmp_path)
+    assert "epoch 1/2: 100%|" in out and "epoch 2/2: 100%|" in out  # one bar per epoch, filled
+    bar = [line for line in out.replace("\r", "\n").splitlines() if line.startswith("epoch 2/2:")][-1]
+    assert " step " in bar and " ce " in bar and " fer " in bar and "<" in bar  # elapsed<remaining
+    assert "finished epoch 1" in out  # the log lines still come, above the bars
+
+
+def test_train_without_a_terminal_has_log_lines_and_no_bar(trained):
+    assert "%|" not in trained["proc"].stderr and "%|" not in trained["proc"].stdout

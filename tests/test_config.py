@@ -318,7 +318,7 @@ def test_failed_update_changes_nothing():
 def test_registry_defaults():
     config = kit.Config()
     assert config.int("batch_size") == KEYS["batch_size"].default == 5000
-    assert config.int("num_epochs") == 1
+    assert config.int("num_epochs") == 5  # RETURNN's default
     assert config.float("learning_rate") == 1.0
     assert config.bool("stop_on_nonfinite_train_score") is True
     assert config.typed_value("learning_rate_control") == "constant"

@@ -1,5 +1,5 @@
 """The 12AX example config (``kit.examples.path("12ax")``; ``examples/12ax.py`` in a clone) through
-the command line, shortened: one epoch on 800 sequences.
+the command line, shortened: one epoch (of the example's five).
 
 The full run (``python -m kit train examples/12ax.py``: 5 epochs on 1000 sequences) reaches
 a dev frame error far below RETURNN's 0.02 bar; this shortened one must already beat the
@@ -32,7 +32,9 @@ def majority_frame_error(ds: Task12AXDataset) -> float:
 
 def test_shortened_12ax_example_learns(tmp_path):
     prefix = tmp_path / "model"
-    train = "{'class': 'Task12AXDataset', 'num_seqs': 1000, 'seed': 1, 'seq_ordering': 'laplace:.10'}"  # the example's own
+    # 1000 sequences: with 800 the run sits at the edge of learning the memory, and whether it
+    # does then depends on the exact order of one epoch
+    train = "{'class': 'Task12AXDataset', 'num_seqs': 1000, 'seed': 1, 'seq_ordering': 'laplace:.10'}"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
         [

@@ -47,3 +47,14 @@ def test_every_example_config_is_package_data():
 def test_the_clone_s_examples_folder_is_the_same_config():
     """``python -m kit train examples/12ax.py`` (README) runs the file that ships in the package."""
     assert (ROOT / "examples" / "12ax.py").read_bytes() == Path(kit.examples.path("12ax")).read_bytes()
+
+
+def test_kit_examples_is_reachable_as_an_attribute_after_import_kit():
+    # as the notebooks and the README write it: `import kit` then `kit.examples.path(...)`
+    import subprocess
+    import sys
+
+    code = "import kit; print(kit.examples.path('12ax'))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("12ax.py")

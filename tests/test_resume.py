@@ -332,7 +332,7 @@ def test_start_epoch_picks_the_checkpoint_before_it(tmp_path, reference, caplog)
     )
     assert (engine.progress.epoch, engine.progress.global_train_step) == (2, STEPS_PER_EPOCH)
     assert same_weights(engine.model, weights_of(f"{prefix}.001.pt"))
-    assert optimizer_states_equal(engine.updater.optimizer.state_dict(), state["optimizer"]["optimizer"])
+    assert optimizer_states_equal(engine.updater.optimizer.state_dict(), state["optimizer"])
     assert kit.ScoreTable.load(f"{prefix}.scores.json").scores(2) == {}
     engine.close()
 

@@ -43,7 +43,7 @@ def test_session_writes_step_losses_learning_rate_and_every_epoch_score(tmp_path
             assert math.isclose(tags[tag][epoch_index][1], value, rel_tol=1e-6), (tag, epoch)
     assert {"dev/ce", "dev/fer", "train_epoch/ce", "train_epoch/fer", "train_epoch/learning_rate"} <= set(tags)
     # epoch scalars sit at the global train step of the epoch end, so they line up with the step curves
-    assert [s for s, _ in tags["dev/ce"]] == [table.meta(e)["global_train_step"] for e in table.epochs]
+    assert [s for s, _ in tags["dev/ce"]] == [table.meta(e)["global_train_step_end"] for e in table.epochs]
 
 
 def test_cli_writes_to_the_configured_log_dir(tmp_path, capsys):

@@ -39,6 +39,7 @@ from kit.checkpoints.files import (
     save,
     verify,
 )
+from kit.checkpoints.lock import PrefixLock, PrefixLockedError
 from kit.checkpoints.naming import ModelFileName, checkpoint_paths, parse_model_path
 from kit.checkpoints.restore import apply_load_model_post_hooks, load_into_model, preload_from_files
 
@@ -48,6 +49,8 @@ __all__ = [
     "CheckpointNotFoundError",
     "ModelFileName",
     "NotSafetensorsError",
+    "PrefixLock",
+    "PrefixLockedError",
     "apply_load_model_post_hooks",
     "checkpoint_paths",
     "cleanup",

@@ -16,6 +16,7 @@ from typing import IO, Any
 import torch
 
 from kit import fileio
+from kit.checkpoints.foreign import foreign_file_error, written_by_kit
 from kit.checkpoints.manifest import read_manifest_file
 from kit.checkpoints.naming import checkpoint_file_pattern, checkpoint_paths
 from kit.checkpoints.safe_load import (  # noqa: F401 - public names of this module before the split
@@ -230,6 +231,8 @@ def save(
     pattern = checkpoint_file_pattern(prefix)
     for stale in fileio.remove_stale_temp_files(directory, lambda name: pattern.match(name) is not None):
         logger.info("Removed temp file of an interrupted write: %s", stale)
+    if os.path.exists(path) and not os.path.exists(manifest_path) and not written_by_kit(path):
+        raise CheckpointError(foreign_file_error(path))
     if os.path.exists(manifest_path):
         # Overwriting: un-complete the old one first, so that no manifest ever describes mixed files.
         os.unlink(manifest_path)

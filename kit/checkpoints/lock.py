@@ -21,15 +21,13 @@ import weakref
 from typing import ClassVar
 
 from kit import fileio
-from kit.errors import ConfigError, KitError
+from kit.errors import ConfigError, PrefixLockedError
+
+__all__ = ["LOCK_SUFFIX", "PrefixLock", "PrefixLockedError"]
 
 logger = logging.getLogger("kit")
 
 LOCK_SUFFIX = ".lock"
-
-
-class PrefixLockedError(KitError, RuntimeError):
-    """Another live run holds the lock on this model prefix."""
 
 
 class PrefixLock:

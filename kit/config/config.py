@@ -97,17 +97,21 @@ class Config(Mapping[str, Any]):
         # '#!rnn.py' (RETURNN's marker) and shebangs are Python comments already; nothing to strip.
         namespace: dict[str, Any] = {"__file__": os.path.abspath(path), "__name__": "__kit_config__"}
         code = compile(source, path, "exec")  # a SyntaxError names the file and line itself
+        from kit import compat
+
         try:
-            exec(code, namespace)  # noqa: S102 - the user's own config file, like RETURNN
+            with compat.returnn_imports():  # `import returnn.frontend` works without RETURNN installed
+                exec(code, namespace)  # noqa: S102 - the user's own config file, like RETURNN
         except Exception as exc:
             raise ConfigError(
                 f"config file '{path}': running it raised {type(exc).__name__}: {exc} (traceback above)"
             ) from exc
+        compat.note_fallback_used(path)
         known, user, problems = {}, {}, []
         for name, value in namespace.items():
             if name.startswith("_") or isinstance(value, types.ModuleType):
                 continue
-            if name in KEYS:
+            if name in KEYS or compat.is_returnn_only_key(name):
                 known[name] = value
             elif name in REPLACED_KEYS:
                 problems.append(f"{REPLACED_KEYS[name]} (in '{path}')")
@@ -115,6 +119,7 @@ class Config(Mapping[str, Any]):
                 problems.append(f"unknown config key '{name}' in '{path}' — did you mean '{guess}'?")
             else:
                 user[name] = value
+        known = compat.adapt_config_values(known, known.get, source=path)
         problems += [f"{p} (in '{path}')" for p in _value_problems(known)]
         if problems:
             raise ConfigError(problems)
@@ -128,8 +133,12 @@ class Config(Mapping[str, Any]):
 
     def update(self, items: Mapping[str, Any] | None = None, /, **kwargs: Any) -> Config:
         """Set keys; unknown keys and bad values are collected into one ConfigError."""
+        from kit import compat
+
         new = dict(items or {})
         new.update(kwargs)
+        # RETURNN's own keys and forms (translated, or named in one warning); RETURNN-style functions adapted
+        new = compat.adapt_config_values(new, lambda n: self._values.get(n), source=self.source)
         # a config file's own globals can be overridden too (RETURNN's command line allows it)
         user = {k: v for k, v in new.items() if k not in KEYS and k in self._user_globals}
         problems = [_unknown_key_problem(name, extra=list(self._user_globals))

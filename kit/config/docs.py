@@ -13,6 +13,7 @@ from pathlib import Path
 from kit.config.keys import config_reference_markdown
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+RETURNN_KEYS_PATH = DEFAULT_PATH.parent / "returnn_keys.md"
 
 
 def expected_text() -> str:
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         "--path", type=Path, default=DEFAULT_PATH, help="default: docs/config.md of this checkout"
     )
     args = parser.parse_args(argv)
+    if args.path == DEFAULT_PATH:  # the checkout's docs: RETURNN's key table too
+        from kit.compat.returnn_keys import returnn_keys_markdown
+
+        if _write_or_check(RETURNN_KEYS_PATH, returnn_keys_markdown(), check=args.check):
+            return 1
     want = expected_text()
     try:
         have = args.path.read_text(encoding="utf-8")
@@ -45,6 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{args.path} is up to date")
     return 0
+
+
+def _write_or_check(path: Path, want: str, *, check: bool) -> bool:
+    """Write ``want`` to ``path`` (or only compare, with ``check``); True when stale in check mode."""
+    have = path.read_text(encoding="utf-8") if path.exists() else None
+    if check:
+        if have != want:
+            print(f"{path} is stale: run `python -m kit.config.docs`", file=sys.stderr)
+            return True
+        return False
+    if have != want:
+        path.write_text(want, encoding="utf-8")
+        print(f"wrote {path}")
+    return False
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ follow RETURNN wherever RETURNN has the key.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,10 @@ def optional_non_negative_number(v: Any) -> str | None:
     return None if v is None else non_negative_number(v)
 
 
+def finite_non_negative_number(v: Any) -> str | None:
+    return None if _is_num(v) and math.isfinite(v) and v >= 0 else "a finite number >= 0"
+
+
 def positive_number(v: Any) -> str | None:
     return None if _is_num(v) and v > 0 else "a number > 0"
 
@@ -92,6 +97,16 @@ def int_or_per_key(allow_none: bool = True) -> Check:
 
 def int_or_callable(v: Any) -> str | None:
     return None if callable(v) or (_is_int(v) and v > 0) else "a positive int or a callable"
+
+
+def number_or_callable(v: Any) -> str | None:
+    return None if v is None or callable(v) or (_is_num(v) and v > 0) else "a number > 0 or a function lr -> lr"
+
+
+def str_or_list(v: Any) -> str | None:
+    if v is None or isinstance(v, str) or (isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)):
+        return None
+    return "a score key or a list of score keys"
 
 
 def optional_callable(v: Any) -> str | None:
@@ -149,11 +164,12 @@ def optimizer_spec(v: Any) -> str | None:
 def learning_rates_spec(v: Any) -> str | None:
     if v is None:
         return None
-    if isinstance(v, (list, tuple)) and all(_is_num(x) and x >= 0 for x in v):
+    if isinstance(v, (list, tuple)) and all(finite_non_negative_number(x) is None for x in v):
         return None
-    if isinstance(v, dict) and all(_is_int(k) and k > 0 and _is_num(x) and x >= 0 for k, x in v.items()):
+    if isinstance(v, dict) and all(_is_int(k) and k > 0 and finite_non_negative_number(x) is None
+                                   for k, x in v.items()):
         return None
-    return "a list of numbers >= 0 (per epoch), or a dict epoch -> number (strings are never evaluated)"
+    return "a list of finite numbers >= 0 (per epoch), or a dict epoch -> number (strings are never evaluated)"
 
 
 CLEANUP_DEFAULTS: dict[str, Any] = {"keep_last_n": 2, "keep_best_n": 4, "keep": (), "dry_run": False}
@@ -201,13 +217,14 @@ def lr_control_spec(v: Any) -> str | None:
 def seq_ordering_spec(v: Any) -> str | None:
     if v is None:
         return None
-    pattern = (
-        r"(default|reverse|sorted|sorted_reverse|random(:\d+)?|laplace:\.?\d+(:\d+)?"
-        r"|sort_bin_shuffle(_x2)?:\.?\d+(:\d+)?)"
-    )
-    if isinstance(v, str) and re.fullmatch(pattern, v):
-        return None
-    return "one of default, reverse, sorted, sorted_reverse, random[:seed], laplace:B or laplace:.S[:seed], sort_bin_shuffle[_x2]:B"
+    from kit.data import ordering  # the one parser of orderings (imported late: data imports config)
+    from kit.errors import ConfigError
+
+    try:
+        ordering.check(v)
+    except ConfigError as exc:
+        return str(exc).split("expected ", 1)[-1]
+    return None
 
 
 def eval_datasets_spec(v: Any) -> str | None:
@@ -265,17 +282,19 @@ _KEYS: list[Key] = [
     _k("data", "max_seq_length", "int | dict", None, "drop sequences longer than this (per key or all keys)", int_or_per_key()),
     _k("data", "chunking", "int | str | tuple | dict", None, "cut training sequences into chunks: size, 'size:step', (size, step), per-key dicts", chunking_spec),
     _k("data", "min_chunk_size", "int | dict", None, "drop final chunks shorter than this", int_or_per_key()),
-    _k("data", "chunking_in_eval", "bool", False, "also chunk eval datasets (RETURNN never does)", boolean),
+    _k("data", "chunking_in_eval", "bool", True, "chunk eval datasets too, as RETURNN's torch engine does; False evaluates whole sequences", boolean),
     _k("data", "seq_ordering", "str", None, "override the datasets' own seq_ordering for training", seq_ordering_spec),
     _k("data", "torch_dataloader_opts", "dict", None, "{'num_workers': k, ...}; workers never duplicate data"),
-    _k("data", "random_seed", "int", 42, "seed for model init, data order and training randomness", non_negative_int),
+    _k("data", "random_seed", "int", 42, "seed for model init and training randomness (data orders follow RETURNN: epoch, fixed_random_seed, random_seed_offset)", non_negative_int),
     # training loop
-    _k("training", "num_epochs", "int", 1, "final (sub)epoch to train", positive_int),
+    _k("training", "task", "str", "train", "RETURNN's task; in kit the command (train / eval / forward) or the Session call decides what runs", one_of("train", "eval", "forward")),
+    _k("training", "num_epochs", "int", 5, "final (sub)epoch to train (RETURNN's default 5)", positive_int),
     _k("training", "start_epoch", "int | str", "auto", "first epoch to train ('auto': continue after the newest checkpoint)"),
     _k("training", "accum_grad_multiple_step", "int | callable", 1, "micro-batches per update; gradients are summed, not averaged", int_or_callable),
     _k("training", "torch_amp", "str | dict", None, "autocast dtype: 'float16' / 'bfloat16' / {'dtype': .., 'grad_scaler': {..}}", amp_spec),
     _k("training", "grad_scaler", "dict | bool", None, "GradScaler options; default: on for float16 only; False disables"),
-    _k("training", "stop_on_nonfinite_train_score", "bool", True, "check losses and grad norm before each update; raise NonFiniteLossError", boolean),
+    _k("training", "stop_on_nonfinite_train_score", "bool", True, "check every micro-batch's losses and the gradients (before clipping); no update from NaN/Inf; raise NonFiniteLossError", boolean),
+    _k("training", "nonfinite_check", "str", "auto", "when the guard's device flag is read: 'immediate' (after each micro-batch), 'deferred' (at log lines, checkpoints, epoch ends and train_* returns; the update is skipped on the device), 'auto' (immediate on CPU or with nonfinite_policy='skip', else deferred)", one_of("auto", "immediate", "deferred")),
     _k("training", "nonfinite_policy", "str", "raise", "'raise' or 'skip' a non-finite update", one_of("raise", "skip")),
     _k("training", "num_allowed_consec_invalid_gradient_steps", "int", 10, "with nonfinite_policy='skip': stop after this many skipped updates in a row", non_negative_int),
     _k("training", "log_every_n_steps", "int", 10, "interval (in steps) of the per-step log line", positive_int),
@@ -289,20 +308,21 @@ _KEYS: list[Key] = [
     _k("training", "debug_hook", "callable", None, "callable(DebugContext) called on debug events (replaces debug_shell_before_train_loop)", optional_callable),
     # optimizer and learning rate
     _k("optimizer", "optimizer", "dict | class | callable", None, "{'class': 'adamw' | dotted path | type, **kwargs} (no 'lr': use learning_rate)", optimizer_spec),
-    _k("optimizer", "learning_rate", "float", 1.0, "initial learning rate", non_negative_number),
+    _k("optimizer", "learning_rate", "float", 1.0, "initial learning rate", finite_non_negative_number),
     _k("optimizer", "learning_rates", "list | dict", None, "learning rate per epoch (list from epoch 1, or dict epoch -> lr)", learning_rates_spec),
     _k("optimizer", "learning_rate_control", "str", "constant", "constant | newbob | newbob_abs | newbob_multi_epoch", lr_control_spec),
-    _k("optimizer", "learning_rate_control_error_measure", "str", None, "score key newbob looks at (default: first dev score, with a warning)", optional_str),
+    _k("optimizer", "learning_rate_control_error_measure", "str | list", None, "score key(s) newbob looks at (default, with a warning: RETURNN's choice — dev_score, else the first dev_ key in sorted order)", str_or_list),
     _k("optimizer", "learning_rate_control_relative_error_relative_lr", "bool", False, "newbob: scale the relative error by the learning rate ratio", boolean),
     _k("optimizer", "learning_rate_control_min_num_epochs_per_new_lr", "int", 0, "newbob: keep a new lr at least this many epochs", non_negative_int),
-    _k("optimizer", "learning_rate_decay", "float", 0.5, "newbob: lr factor when the error does not improve enough", positive_number),
-    _k("optimizer", "learning_rate_growth", "float", 1.0, "newbob: lr factor when the error improves", positive_number),
+    _k("optimizer", "learning_rate_decay", "float | callable", 0.5, "newbob: lr factor (or f(lr) -> lr) when the error does not improve enough", number_or_callable),
+    _k("optimizer", "learning_rate_growth", "float | callable", 1.0, "newbob: lr factor (or f(lr) -> lr) when the error improves", number_or_callable),
+    _k("optimizer", "newbob_learning_rate_growth", "float | callable", None, "alias of learning_rate_growth (RETURNN)", number_or_callable),
     _k("optimizer", "min_learning_rate", "float", 0.0, "lower bound for newbob", non_negative_number),
     _k("optimizer", "newbob_relative_error_threshold", "float", -0.01, "newbob: decay when relative error change > this"),
     _k("optimizer", "newbob_relative_error_grow_threshold", "float", None, "newbob_multi_epoch: grow when the mean relative error change < this (default newbob_relative_error_threshold)"),
     _k("optimizer", "newbob_relative_error_div_by_old", "bool", False, "newbob: relative error = (new - old) / |old| instead of / |new|", boolean),
     _k("optimizer", "newbob_error_threshold", "float", -0.01, "newbob_abs: decay when absolute error change > this"),
-    _k("optimizer", "newbob_learning_rate_decay", "float", None, "alias of learning_rate_decay (RETURNN)", optional_non_negative_number),
+    _k("optimizer", "newbob_learning_rate_decay", "float | callable", None, "alias of learning_rate_decay (RETURNN)", number_or_callable),
     _k("optimizer", "newbob_multi_num_epochs", "int", 5, "newbob_multi_epoch: epochs averaged", positive_int),
     _k("optimizer", "newbob_multi_update_interval", "int", None, "newbob_multi_epoch: epochs between lr checks (default newbob_multi_num_epochs)", optional_positive_int),
     _k("optimizer", "dynamic_learning_rate", "callable", None, "f(*, global_train_step, epoch, epoch_continuous, learning_rate, **kw) -> lr, every step", optional_callable),

@@ -17,10 +17,14 @@ from kit.data.dataset import (
     TorchDataset,
     from_torch_dataset,
 )
+from kit.data.distrib_files import DistributeFilesDataset
 from kit.data.extern_data import DataSpec, ExternData
+from kit.data.hdf import HDFDataset, write_hdf
 from kit.data.make import make_dataset
+from kit.data.meta import ConcatDataset, MetaDataset, StaticDataset
 from kit.data.ordering import seq_order
 from kit.data.pipeline import Pipeline, batches
+from kit.data.returnn_adapter import ReturnnDataset
 from kit.data.text import CharTextDataset
 from kit.data.toy import Task12AXDataset
 
@@ -28,17 +32,24 @@ __all__ = [
     "ArrayDataset",
     "Batch",
     "CharTextDataset",
+    "ConcatDataset",
     "DataSpec",
     "Dataset",
     "DatasetProtocol",
+    "DistributeFilesDataset",
     "ExternData",
     "Field",
     "GeneratorDataset",
+    "HDFDataset",
+    "MetaDataset",
     "Pipeline",
+    "ReturnnDataset",
+    "StaticDataset",
     "Task12AXDataset",
     "TorchDataset",
     "batches",
     "from_torch_dataset",
     "make_dataset",
     "seq_order",
+    "write_hdf",
 ]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -24,8 +26,11 @@ class Field:
         """Bool ``[B, T]`` on the tensor's device: True for real frames, False for padding."""
         if self.lengths is None:
             raise ValueError("this field has no time axis, so it has no mask")
-        time = torch.arange(self.tensor.shape[1], device=self.tensor.device)
-        return time[None, :] < self.lengths.to(self.tensor.device, non_blocking=True)[:, None]
+        t = self.tensor
+        if t.is_cpu and self.lengths.is_cpu:  # two numpy ops: a fraction of the host time of five torch ops
+            return torch.from_numpy(np.arange(t.shape[1]) < self.lengths.numpy()[:, None])
+        time = torch.arange(t.shape[1], device=t.device)
+        return time[None, :] < self.lengths.to(t.device, non_blocking=True)[:, None]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Field:
         return Field(self.tensor.to(device, non_blocking=non_blocking), self.lengths, self.sparse_dim)
@@ -55,20 +60,56 @@ class Field:
         return f"Field({tuple(self.tensor.shape)}, {self.tensor.dtype}{sparse}{lengths})"
 
 
-@dataclass
 class Batch(Mapping[str, Field]):
     """A padded batch of sequences: ``batch["data"].tensor``, ``batch.seq_tags``, ...
 
     ``complete_frac`` is the fraction of the epoch done once this batch is consumed
     (RETURNN's ``complete_frac``), ``seq_idx`` the sequence indices in the dataset.
+    ``tag_of`` (``dataset.get_seq_tag``) makes ``seq_tags`` lazy: built from ``seq_idx`` on
+    first read, so steps that never look at the tags never build them.
     """
 
-    fields: dict[str, Field]
-    seq_tags: list[str] = field(default_factory=list)
-    seq_idx: list[int] = field(default_factory=list)
-    epoch: int = 1
-    complete_frac: float | None = None
-    batch_idx: int = 0  # position of this batch in its epoch (0-based)
+    def __init__(
+        self,
+        fields: dict[str, Field],
+        seq_tags: list[str] | None = None,
+        seq_idx: list[int] | None = None,
+        epoch: int = 1,
+        complete_frac: float | None = None,
+        batch_idx: int = 0,  # position of this batch in its epoch (0-based)
+        *,
+        tag_of: Callable[[int], str] | None = None,
+    ):
+        self.fields = fields
+        self.seq_idx: list[int] = [] if seq_idx is None else seq_idx
+        self.epoch = epoch
+        self.complete_frac = complete_frac
+        self.batch_idx = batch_idx
+        self._seq_tags = seq_tags if seq_tags is not None or tag_of is not None else []
+        self._tag_of = tag_of
+
+    @property
+    def seq_tags(self) -> list[str]:
+        """The sequences' tags (built on first read when the batch came with ``tag_of``)."""
+        if self._seq_tags is None:
+            tag_of = self._tag_of
+            self._seq_tags = [tag_of(i) for i in self.seq_idx] if tag_of is not None else []
+        return self._seq_tags
+
+    @seq_tags.setter
+    def seq_tags(self, tags: list[str]) -> None:
+        self._seq_tags = tags
+
+    def __getstate__(self) -> dict[str, Any]:
+        # to another process (a DataLoader worker's batch): the tags go as strings, not the dataset
+        state = dict(self.__dict__)
+        state["_seq_tags"], state["_tag_of"] = self.seq_tags, None
+        return state
+
+    def _same_meta(self, fields: dict[str, Field]) -> Batch:
+        """A batch of other fields with this one's tags (lazy ones stay lazy), indices, epoch, position."""
+        return Batch(fields, self._seq_tags, self.seq_idx, self.epoch, self.complete_frac, self.batch_idx,
+                     tag_of=self._tag_of)
 
     def __getitem__(self, key: str) -> Field:
         try:
@@ -84,15 +125,13 @@ class Batch(Mapping[str, Field]):
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_tags)
+        return len(self.seq_idx) if self._seq_tags is None else len(self._seq_tags)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        moved = {k: f.to(device, non_blocking=non_blocking) for k, f in self.fields.items()}
-        return Batch(moved, self.seq_tags, self.seq_idx, self.epoch, self.complete_frac, self.batch_idx)
+        return self._same_meta({k: f.to(device, non_blocking=non_blocking) for k, f in self.fields.items()})
 
     def pin_memory(self) -> Batch:
-        pinned = {k: f.pin_memory() for k, f in self.fields.items()}
-        return Batch(pinned, self.seq_tags, self.seq_idx, self.epoch, self.complete_frac, self.batch_idx)
+        return self._same_meta({k: f.pin_memory() for k, f in self.fields.items()})
 
     def select(self, index: slice | list[int]) -> Batch:
         """A sub-batch of some sequences (time axes cut to the longest selected sequence)."""
@@ -107,13 +146,15 @@ class Batch(Mapping[str, Field]):
                 max_len = int(lengths.max()) if len(idx) else 0
                 tensor = tensor[:, :max_len]
             fields[key] = Field(tensor, lengths, f.sparse_dim)
+        lazy = self._seq_tags is None and self.seq_idx
         return Batch(
             fields,
-            [self.seq_tags[i] for i in idx],
+            None if lazy else [self.seq_tags[i] for i in idx],
             [self.seq_idx[i] for i in idx] if self.seq_idx else [],
             self.epoch,
             self.complete_frac,
             self.batch_idx,
+            tag_of=self._tag_of if lazy else None,
         )
 
     def summary(self) -> str:

@@ -12,9 +12,11 @@ RETURNN).
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -99,7 +101,8 @@ def chunk_entries(
     ``min_chunk_size`` are dropped. All chunked keys must give the same number of chunks.
     """
     if not sizes:
-        return [(int(i), None) for i in order]
+        ints = order.tolist() if isinstance(order, np.ndarray) else [int(i) for i in order]
+        return list(zip(ints, itertools.repeat(None)))
     mins = per_key(min_chunk_size, list(sizes), "min_chunk_size") if min_chunk_size else {}
     out: list[Entry] = []
     for i in order:
@@ -119,10 +122,17 @@ def chunk_entries(
     return out
 
 
+def has_spans(entries: Sequence[Entry]) -> bool:
+    """Whether any entry is a chunk (C-level scan: this runs per batch)."""
+    return list(map(itemgetter(1), entries)).count(None) != len(entries)
+
+
 def entry_lengths(entries: Sequence[Entry], lengths: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Per-key time length of each entry (chunk lengths for chunked keys)."""
-    idx = np.fromiter((e[0] for e in entries), dtype=np.int64, count=len(entries))
-    out = {k: v[idx].copy() for k, v in lengths.items()}
+    idx = np.fromiter(map(itemgetter(0), entries), dtype=np.int64, count=len(entries))
+    out = {k: v[idx] for k, v in lengths.items()}  # fancy indexing: copies
+    if not has_spans(entries):
+        return out
     for j, (_, spans) in enumerate(entries):
         if spans is not None:
             for k, s, e in spans:
@@ -150,6 +160,8 @@ def plan_batches(
     for k, v in limits.items():
         by_limit.setdefault(v, []).append(k)
     cols = [(np.max(np.stack([lens[k] for k in ks]), axis=0).tolist(), lim) for lim, ks in by_limit.items()]
+    if not cols:
+        return _fixed_size(num_entries, max_seqs)
     if len(cols) == 1:
         return _plan_one_limit(cols[0][0], cols[0][1], num_entries, max_seqs)
     ranges, start, maxima = [], 0, [0] * len(cols)
@@ -168,7 +180,14 @@ def plan_batches(
     return ranges
 
 
+def _fixed_size(num_entries: int, max_seqs: int) -> list[tuple[int, int]]:
+    """Batches of ``max_seqs`` entries: the greedy plan when no frame budget binds, without its loop."""
+    return [(a, min(a + max_seqs, num_entries)) for a in range(0, num_entries, max_seqs)]
+
+
 def _plan_one_limit(col: list[int], limit: int, num_entries: int, max_seqs: int) -> list[tuple[int, int]]:
+    if num_entries and max(col) * min(max_seqs, num_entries) <= limit:
+        return _fixed_size(num_entries, max_seqs)  # the frame budget never binds
     ranges, start, longest = [], 0, 0
     for j in range(num_entries):
         length = col[j]

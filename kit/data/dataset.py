@@ -13,12 +13,14 @@ The per-epoch order (``seq_ordering``, ``partition_epoch``, ``fixed_random_seed`
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from kit.data import ordering
+from kit.data.packed import PackedKey, pack_seqs
 from kit.errors import ConfigError, DataError
 
 SeqDict = dict[str, np.ndarray]
@@ -48,8 +50,12 @@ def as_numpy(value: Any) -> np.ndarray:
     """A numpy array from an array, a torch tensor, a list or a Python scalar."""
     if isinstance(value, np.ndarray):
         return value
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch.Tensor, without importing torch
-        return value.detach().cpu().numpy()
+    torch = sys.modules.get("torch")  # a tensor implies torch is imported; never import it here
+    if torch is not None and isinstance(value, torch.Tensor):
+        try:
+            return value.numpy()  # a CPU tensor without grad: a view, no copy
+        except (RuntimeError, TypeError):
+            return value.detach().cpu().numpy()
     return np.asarray(value)
 
 
@@ -143,6 +149,15 @@ class Dataset:
         """``key -> time length`` for the keys with a time axis (default: loads the sequence)."""
         return lengths_of(self.get_seq(idx))
 
+    def packed(self) -> dict[str, PackedKey] | None:
+        """Opt-in fast path: every key as one array plus per-sequence starts and lengths (see
+        :mod:`kit.data.packed`), or None (the default) to be loaded through ``get_seq`` per sequence.
+
+        A dataset returning it promises that ``get_seq(i)[key]`` equals ``packed()[key].seq(i)``
+        for every key and sequence; batches are then gathered and padded in a few numpy operations.
+        """
+        return None
+
     def seq_lengths(self) -> dict[str, np.ndarray]:
         """All lengths at once, ``key -> int64 [num_seqs]`` (cached; computed via get_seq_length)."""
         if self._lengths_cache is None:
@@ -198,14 +213,18 @@ def ordering_lengths(lengths: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.max(np.stack(list(lengths.values())), axis=0)
 
 
-def _check_seq(seq: Any, where: str) -> SeqDict:
-    if not isinstance(seq, Mapping) or not seq:
+def _check_seq(seq: Any, where: str | Callable[[], str], *, convert: bool = True) -> SeqDict:
+    """``seq`` as a dict with str keys and numpy values (``convert=False``: values as they are)."""
+    if not (type(seq) is dict or isinstance(seq, Mapping)) or not seq:
+        where = where if isinstance(where, str) else where()
         hint = ""
         if isinstance(seq, (tuple, list)) and seq:
             names = ", ".join(f'"{n}": {v}' for n, v in zip(("data", "classes", "extra"), "xyz"[:len(seq)]))
             hint = f"; a sequence is a dict data key -> array: return {{{names}}} instead of a {type(seq).__name__}"
         raise DataError(f"{where}: expected a non-empty dict key -> array, got {type(seq).__name__}{hint}")
-    return {str(k): as_numpy(v) for k, v in seq.items()}
+    if not convert:
+        return {k if type(k) is str else str(k): v for k, v in seq.items()}
+    return {k if type(k) is str else str(k): as_numpy(v) for k, v in seq.items()}
 
 
 class ArrayDataset(Dataset):
@@ -229,22 +248,30 @@ class ArrayDataset(Dataset):
                 raise DataError(f"ArrayDataset: the lists per key differ in length: {sizes}")
             n = next(iter(sizes.values()), 0)
             seqs = [{k: v[i] for k, v in seqs.items()} for i in range(n)]
-        self._seqs = [_check_seq(s, f"ArrayDataset sequence {i}") for i, s in enumerate(seqs)]
+        checked = [_check_seq(s, f"ArrayDataset sequence {i}") for i, s in enumerate(seqs)]
+        self._num_seqs = len(checked)
         if seq_tags is not None:
             seq_tags = [str(t) for t in seq_tags]
-            if len(seq_tags) != len(self._seqs):
-                raise DataError(f"ArrayDataset: {len(seq_tags)} seq_tags for {len(self._seqs)} sequences")
+            if len(seq_tags) != self._num_seqs:
+                raise DataError(f"ArrayDataset: {len(seq_tags)} seq_tags for {self._num_seqs} sequences")
             if len(set(seq_tags)) != len(seq_tags):
                 raise DataError("ArrayDataset: seq_tags are not unique")
         self._tags = seq_tags
-        self._lengths = [lengths_of(s) for s in self._seqs]
+        # uniform sequences (the usual case) are held as one array per key: a batch is then a few
+        # numpy gathers (Dataset.packed); mixed layouts stay a list of dicts, loaded one by one
+        self._packed = pack_seqs(checked)
+        self._seqs = None if self._packed is not None else checked
+        self._lengths = None if self._packed is not None else [lengths_of(s) for s in checked]
 
     @property
     def num_seqs(self) -> int:
-        return len(self._seqs)
+        return self._num_seqs
 
     def get_seq(self, idx: int) -> SeqDict:
-        return dict(self._seqs[self._check_index(idx)])
+        idx = self._check_index(idx)
+        if self._seqs is not None or self._packed is None:
+            return dict(self._seqs[idx]) if self._seqs is not None else {}
+        return {k: pk.seq(idx) for k, pk in self._packed.items()}
 
     def get_seq_tag(self, idx: int) -> str:
         if self._tags is None:
@@ -252,7 +279,22 @@ class ArrayDataset(Dataset):
         return self._tags[self._check_index(idx)]
 
     def get_seq_length(self, idx: int) -> dict[str, int]:
-        return dict(self._lengths[self._check_index(idx)])
+        idx = self._check_index(idx)
+        if self._lengths is not None or self._packed is None:
+            return dict(self._lengths[idx]) if self._lengths is not None else {}
+        return {k: int(pk.lengths[idx]) for k, pk in self._packed.items() if pk.lengths is not None}
+
+    def seq_lengths(self) -> dict[str, np.ndarray]:
+        if self._packed is None:
+            return super().seq_lengths()
+        lengths = {k: pk.lengths for k, pk in self._packed.items() if pk.lengths is not None}
+        return {k: lengths[k] for k in sorted(lengths, key=lambda k: (k != "data", k))}
+
+    def packed(self) -> dict[str, PackedKey] | None:
+        # a subclass that changes get_seq (augmentation, say) must be loaded through it
+        if self._packed is None or type(self).get_seq is not ArrayDataset.get_seq:
+            return None
+        return self._packed
 
 
 class GeneratorDataset(Dataset):
@@ -286,7 +328,7 @@ class GeneratorDataset(Dataset):
 
     def get_seq(self, idx: int) -> SeqDict:
         idx = self._check_index(idx)
-        return _check_seq(self.fn(self.seed, idx), f"GeneratorDataset fn(seed={self.seed}, index={idx})")
+        return _check_seq(self.fn(self.seed, idx), lambda: f"GeneratorDataset fn(seed={self.seed}, index={idx})")
 
     def get_seq_length(self, idx: int) -> dict[str, int]:
         if self.lengths_fn is None:
@@ -317,8 +359,16 @@ class TorchDataset(Dataset):
         return len(self.dataset)
 
     def get_seq(self, idx: int) -> SeqDict:
+        return {k: as_numpy(v) for k, v in self.get_item(idx).items()}
+
+    def get_item(self, idx: int) -> dict[str, Any]:
+        """Item ``idx`` as the wrapped dataset gives it (tensors stay tensors), keys as str.
+
+        The batch loader reads this: it joins a batch's tensors with one ``torch.cat`` per key
+        instead of converting every item to numpy first.
+        """
         idx = self._check_index(idx)
-        return _check_seq(self.dataset[idx], f"{self.describe()} item {idx}")
+        return _check_seq(self.dataset[idx], lambda: f"{self.describe()} item {idx}", convert=False)
 
     def get_seq_length(self, idx: int) -> dict[str, int]:
         if self._given_lengths is None:

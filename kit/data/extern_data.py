@@ -14,7 +14,7 @@ Accepted per key (``None`` in ``shape`` marks the time axis, which must come fir
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,28 +144,28 @@ class ExternData(Mapping[str, DataSpec]):
 
         Raises DataError naming the key, what was expected and received, and the tag.
         ``check_sparse=False`` leaves the label range to a check on the whole batch
-        (:func:`kit.data.collate.collate` does that, one reduction per batch).
+        (:func:`kit.data.collate.collate` does that, one reduction per batch). The batch loader
+        itself checks whole batches with a few numpy operations and calls this per sequence
+        only to name the one that fails.
         """
         out = dict(seq)
         for key, spec in self.specs.items():
             if key not in seq:
-                raise DataError(
-                    f"data key {key!r} is missing in sequence {tag!r}: expected the keys of extern_data "
-                    f"{list(self.specs)}, received {sorted(seq)} ({key!r} is declared as {spec.describe()})"
-                )
+                raise self.missing_key(key, seq, tag)
             out[key] = check_array(spec, np.asarray(seq[key]), tag, check_sparse=check_sparse)
         return out
+
+    def missing_key(self, key: str, seq_keys: Iterable[str], tag: str) -> DataError:
+        """The error for a declared ``key`` that sequence ``tag`` (with ``seq_keys``) lacks."""
+        return DataError(
+            f"data key {key!r} is missing in sequence {tag!r}: expected the keys of extern_data "
+            f"{list(self.specs)}, received {sorted(seq_keys)} ({key!r} is declared as {self.specs[key].describe()})"
+        )
 
 
 def check_array(spec: DataSpec, a: np.ndarray, tag: str, *, check_sparse: bool = True) -> np.ndarray:
     """One array against its spec (see :meth:`ExternData.check_seq`)."""
-    static = spec.shape[1:] if spec.has_time else spec.shape
-    fast = (
-        a.dtype == spec.dtype
-        and a.ndim == len(spec.shape)
-        and (a.shape[1:] if spec.has_time else a.shape) == static
-    )
-    if not fast:
+    if not layout_ok(spec, a):
         _check_layout(spec, a, tag)
     if check_sparse and spec.sparse_dim is not None and a.size:
         lo, hi = int(a.min()), int(a.max())
@@ -190,10 +190,24 @@ def _check_layout(spec: DataSpec, a: np.ndarray, tag: str) -> None:
     for axis, (want, got) in enumerate(zip(spec.shape, a.shape)):
         if want is not None and want != got:
             raise _fail(spec, a, tag, f"wrong size of axis {axis}", want, got)
-    kind_ok = {"f": "f", "i": "iu", "u": "iu", "b": "b", "c": "c"}.get(spec.dtype.kind, spec.dtype.kind)
-    if a.dtype.kind not in kind_ok:
+    if not kind_ok(spec, a.dtype):
         kind = "float" if spec.dtype.kind == "f" else "int"
         raise _fail(spec, a, tag, "wrong dtype kind", f"{spec.dtype} ({kind})", a.dtype)
+
+
+def layout_ok(spec: DataSpec, a: np.ndarray) -> bool:
+    """Whether ``a`` has the declared rank and static sizes and an accepted dtype (no message built)."""
+    if a.ndim != len(spec.shape) or (a.shape[1:] if spec.has_time else a.shape) != (
+        spec.shape[1:] if spec.has_time else spec.shape
+    ):
+        return False
+    return a.dtype == spec.dtype or kind_ok(spec, a.dtype)
+
+
+def kind_ok(spec: DataSpec, dtype: np.dtype) -> bool:
+    """Whether arrays of ``dtype`` are accepted for ``spec`` (and cast to its dtype): same kind of number."""
+    kinds = {"f": "f", "i": "iu", "u": "iu", "b": "b", "c": "c"}.get(spec.dtype.kind, spec.dtype.kind)
+    return dtype.kind in kinds
 
 
 def make_extern_data(spec: Any) -> ExternData | None:

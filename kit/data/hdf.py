@@ -110,7 +110,7 @@ class HDFDataset(Dataset):
         """The open h5py file ``i`` (opened on first use; not pickled: each worker opens its own)."""
         fin = self._handles.get(i)
         if fin is None:
-            import h5py  # imported here: ``import kit`` must not load h5py
+            import h5py  # type: ignore[import-untyped]  # here: ``import kit`` must not load h5py
 
             try:
                 fin = h5py.File(self.files[i], "r")
@@ -238,7 +238,7 @@ def write_hdf(path: str | os.PathLike[str], seqs: Sequence[SeqDict], tags: Seque
     The file loads in kit's and in RETURNN's ``HDFDataset``. Every key needs a time axis
     (shape ``[T, ...]``); 1-d integer keys are sparse, their dim is their maximum + 1.
     """
-    import h5py
+    import h5py  # type: ignore[import-untyped]
 
     if not seqs:
         raise DataError(f"write_hdf({os.fspath(path)!r}): no sequences")

@@ -9,8 +9,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kit.data.dataset import ArrayDataset, Dataset, GeneratorDataset, TorchDataset
+from kit.data.distrib_files import DistributeFilesDataset
 from kit.data.hdf import HDFDataset
-from kit.data.meta import ConcatDataset, MetaDataset, StaticDataset
+from kit.data.meta import ConcatDataset, MetaDataset, StaticDataset, set_child_builder
+from kit.data.returnn_adapter import ReturnnDataset, is_returnn_dataset, returnn_dataset_class
 from kit.data.text import CharTextDataset
 from kit.data.toy import Task12AXDataset
 from kit.errors import ConfigError, DataError
@@ -27,6 +29,7 @@ BUILTINS: dict[str, type] = {
         StaticDataset,
         ConcatDataset,
         MetaDataset,
+        DistributeFilesDataset,
     )
 }
 
@@ -39,8 +42,12 @@ def _resolve_class(name: Any) -> type:
     if name in BUILTINS:
         return BUILTINS[name]
     if "." not in name:
+        if returnn_dataset_class(name) is not None:
+            return ReturnnDataset  # RETURNN's class, adapted through RETURNN's own Dataset API
         guess = difflib.get_close_matches(name, list(BUILTINS), n=1)
         hint = f" — did you mean '{guess[0]}'?" if guess else ""
+        if not guess and name.endswith("Dataset"):
+            hint = "; RETURNN's other dataset classes work through RETURNN: pip install returnn"
         raise ConfigError(
             f"dataset class {name!r} is not a built-in ({', '.join(sorted(BUILTINS))}); "
             f"give a dotted path 'package.module.Class' for your own{hint}"
@@ -58,6 +65,9 @@ def _resolve_class(name: Any) -> type:
 def make_dataset(obj: Any, **defaults: Any) -> Dataset:
     """Return ``obj`` if it is a dataset; build one from ``{"class": name, **opts}``.
 
+    RETURNN's dataset classes come by their names: HDFDataset, MetaDataset, StaticDataset,
+    ConcatDataset, DistributeFilesDataset and Task12AXDataset natively; with RETURNN installed,
+    any other RETURNN class (and a RETURNN dataset object) through :class:`ReturnnDataset`.
     A map-style ``torch.utils.data.Dataset`` is wrapped in :class:`TorchDataset`.
     ``defaults`` (e.g. ``name=``) fill options the dict does not set.
 
@@ -66,6 +76,8 @@ def make_dataset(obj: Any, **defaults: Any) -> Dataset:
     """
     if isinstance(obj, Dataset):
         return obj
+    if is_returnn_dataset(obj):
+        return ReturnnDataset(obj, name=defaults.get("name"))
     if isinstance(obj, Mapping):
         opts = dict(obj)
         if "class" not in opts:
@@ -73,6 +85,8 @@ def make_dataset(obj: Any, **defaults: Any) -> Dataset:
                 f"dataset dict needs a 'class' entry (e.g. 'Task12AXDataset'), got keys {sorted(opts)}"
             )
         cls = _resolve_class(opts.pop("class"))
+        if cls is ReturnnDataset and obj.get("class") != "ReturnnDataset":
+            return ReturnnDataset(dict(obj), name=defaults.get("name"))
         for k, v in defaults.items():
             opts.setdefault(k, v)
         _check_options(cls, opts)
@@ -105,7 +119,7 @@ def _check_options(cls: type, opts: dict[str, Any]) -> None:
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
         # our built-ins pass **opts to Dataset.__init__; those are the known ones
         if issubclass(cls, Dataset):
-            params = {**params, **inspect.signature(Dataset.__init__).parameters}
+            params = {**params, **inspect.signature(Dataset.__init__).parameters}  # type: ignore[assignment]
         else:
             return
     known = [
@@ -119,3 +133,6 @@ def _check_options(cls: type, opts: dict[str, Any]) -> None:
             problems.append(f"dataset class {cls.__name__}: unknown option {name!r}{hint}")
     if problems:
         raise ConfigError(problems)
+
+
+set_child_builder(make_dataset)  # the meta datasets build their children through it

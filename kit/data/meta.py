@@ -15,7 +15,7 @@ the dataset that provides ``data``) and finds every other key's sequence by its 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,17 +23,30 @@ import numpy as np
 from kit.data.dataset import ArrayDataset, Dataset, SeqDict
 from kit.errors import ConfigError, DataError
 
+BuildDataset = Callable[[Any], Dataset]
+# make_dataset, handed over by kit.data.make when it loads (it imports this module for its class
+# registry, so this module cannot import it back); kit.data's package init always loads it
+_build_child: BuildDataset | None = None
+
+
+def set_child_builder(build: BuildDataset) -> None:
+    """How sub-datasets given as dicts are built (:func:`kit.data.make.make_dataset`)."""
+    global _build_child
+    _build_child = build
+
 
 def make_child(spec: Any, parent: Dataset, name: str) -> Dataset:
     """A sub-dataset from a dict or dataset; a dict inherits the parent's ``random_seed_offset``."""
-    from kit.data.make import make_dataset  # make imports this module
-
+    if isinstance(spec, Dataset):
+        return spec
+    if _build_child is None:
+        raise DataError("kit.data.make is not loaded: import kit.data before building a meta dataset")
     if isinstance(spec, Mapping):
         spec = dict(spec)
         if parent.random_seed_offset is not None:
             spec.setdefault("random_seed_offset", parent.random_seed_offset)
         spec.setdefault("name", name)
-    return make_dataset(spec)
+    return _build_child(spec)
 
 
 class StaticDataset(ArrayDataset):
@@ -177,7 +190,8 @@ class MetaDataset(Dataset):
         """For every sub-dataset, the index of each control sequence's tag in it."""
         if self._maps is None:
             control = self.datasets[self.control]
-            tags = [control.get_seq_tag(i) for i in range(len(control))]
+            all_tags = getattr(control, "all_tags", None)  # one read per file instead of one per sequence
+            tags = list(all_tags()) if callable(all_tags) else [control.get_seq_tag(i) for i in range(len(control))]
             maps = {self.control: np.arange(len(tags), dtype=np.int64)}
             for name, ds in self.datasets.items():
                 if name != self.control:

@@ -14,6 +14,7 @@ or in worker processes that return exactly the same batches in the same order.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -50,10 +51,11 @@ class Pipeline:
     Args:
         dataset: a Dataset, a ``{"class": ...}`` dict, or a map-style torch dataset.
         extern_data: the data spec; batches are validated against it (None: inferred).
-        train: chunking only applies in training (unless ``chunking_in_eval``).
+        train: chunking only applies in training unless ``chunking_in_eval`` (the config key's default
+            is True, RETURNN's torch engine; this constructor's is False).
         batch_size: frames per batch including padding, int for all time keys or per key.
         seq_ordering: overrides the dataset's own ``seq_ordering``.
-        random_seed: seed of random orders, for datasets without their own ``random_seed``.
+        random_seed: the config's ``random_seed``; as in RETURNN it does not change the data order.
         seq_indices: restrict to these dataset indices (in the epoch's order; partitions
             are not applied then).
     """
@@ -90,8 +92,8 @@ class Pipeline:
         self.batch_size, self.max_seqs = batch_size, max_seqs
         self.min_seq_length, self.max_seq_length = min_seq_length, max_seq_length
         self.chunking = chunking if (train or chunking_in_eval) else None
-        check = KEYS["chunking"].check
-        problem = check(self.chunking) if check is not None else None
+        check_chunking = KEYS["chunking"].check
+        problem = check_chunking(self.chunking) if check_chunking is not None else None
         if problem:
             raise ConfigError(f"chunking: got {self.chunking!r}, expected {problem}")
         self.min_chunk_size = min_chunk_size
@@ -103,14 +105,19 @@ class Pipeline:
         opts = dict(dataloader_opts or {})
         self.num_workers = int(num_workers or opts.pop("num_workers", 0) or 0)
         opts.pop("num_workers", None)
-        self._loader = BatchLoader(self.dataset, self.extern_data)
+        self._loader = BatchLoader(
+            self.dataset, self.extern_data, chunked=None if self.chunking not in (None, 0, False) else False
+        )
         self._pool: WorkerPool | None = None
+        self._pool_opts = opts
         if self.num_workers > 0:
             check_picklable(self._loader, self.num_workers, _describe(self.dataset))
             self._pool = WorkerPool(self._loader, self.num_workers, opts)
         self._lengths: dict[str, np.ndarray] | None = None
         self._entries: list[batching.Entry] = []
-        self._ranges: list[tuple[int, int]] = None  # type: ignore[assignment]  # None until set_epoch plans
+        self._seq_idx = np.zeros(0, dtype=np.int64)  # the entries' sequence indices
+        self._ranges: list[tuple[int, int]] | None = None
+        self._fracs: list[float] = []
         self._iter: Iterator[Batch] | None = None
         self.epoch = 0
         self.position = 0
@@ -164,8 +171,10 @@ class Pipeline:
     def _order(self, epoch: int) -> list[int]:
         ds = self.dataset
         n = len(ds)
-        own_seed = getattr(ds, "random_seed", None)
-        seed = own_seed if own_seed is not None else self.random_seed
+        # RETURNN's order seed: the dataset's offset (kit's older name: random_seed), not the config's random_seed
+        offset = getattr(ds, "random_seed_offset", None)
+        seed = int(offset if offset is not None else getattr(ds, "random_seed", None) or 0)
+        fixed = getattr(ds, "fixed_random_seed", None)
         method = self.seq_ordering or getattr(ds, "seq_ordering", "default")
         if self.seq_indices is not None:
             bad = [i for i in self.seq_indices if not 0 <= i < n]
@@ -173,7 +182,8 @@ class Pipeline:
                 raise DataError(
                     f"seq_indices {bad[:5]} are out of range for dataset {_describe(ds)} ({n} seqs)"
                 )
-            full = ordering.full_order(method, n, epoch, lambda: ordering_lengths(self._seq_lengths()), seed)
+            lens = lambda: ordering_lengths(self._seq_lengths())  # noqa: E731
+            full = ordering.full_order(method, n, epoch, lens, seed, fixed_random_seed=fixed)
             wanted = set(self.seq_indices)
             return [int(i) for i in full if i in wanted]
         if isinstance(ds, Dataset):
@@ -187,6 +197,7 @@ class Pipeline:
             seq_len=lambda: ordering_lengths(self._seq_lengths()),
             random_seed=seed,
             partition_epoch=getattr(ds, "partition_epoch", 1),
+            fixed_random_seed=fixed,
         )
 
     def set_epoch(self, epoch: int) -> None:
@@ -194,6 +205,8 @@ class Pipeline:
         if not isinstance(epoch, int) or epoch < 1:
             raise ValueError(f"epochs count from 1, got {epoch!r}")
         self._drop_iter()
+        if isinstance(self.dataset, Dataset) and self.dataset.init_epoch(epoch):
+            self._renew_dataset_state()
         name = _describe(self.dataset)
         if len(self.dataset) == 0:
             raise DataError(
@@ -220,25 +233,36 @@ class Pipeline:
             )
         lens = batching.entry_lengths(entries, lengths)
         self._entries = entries
+        self._seq_idx = np.fromiter(map(itemgetter(0), entries), dtype=np.int64, count=len(entries))
         self._ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
+        self._fracs = _complete_fracs(order, self._seq_idx, self._ranges)
         self.epoch, self.position = epoch, 0
 
-    def _ensure_planned(self) -> None:
+    def _renew_dataset_state(self) -> None:
+        """The dataset's sequences changed for this epoch (``Dataset.init_epoch``): drop what was read of them."""
+        self._lengths = None
+        self._loader = BatchLoader(self.dataset, self.extern_data, chunked=self._loader.chunked)
+        if self._pool is not None:  # persistent workers hold a copy of the old dataset state
+            self._pool.close()
+            self._pool = WorkerPool(self._loader, self.num_workers, self._pool_opts)
+
+    def _ensure_planned(self) -> list[tuple[int, int]]:
+        """The current epoch's batch ranges (planned now if not yet)."""
         if self._ranges is None:
             self.set_epoch(self.epoch or 1)
+        assert self._ranges is not None
+        return self._ranges
 
     @property
     def num_batches(self) -> int:
-        self._ensure_planned()
-        return len(self._ranges)
+        return len(self._ensure_planned())
 
     def __len__(self) -> int:
         return self.num_batches
 
     def plan(self) -> list[list[batching.Entry]]:
         """The current epoch's batches as lists of ``(seq_idx, spans)`` entries (see batching)."""
-        self._ensure_planned()
-        return [self._entries[a:b] for a, b in self._ranges]
+        return [self._entries[a:b] for a, b in self._ensure_planned()]
 
     # ---- iteration -------------------------------------------------------------------
 
@@ -246,21 +270,21 @@ class Pipeline:
         return self
 
     def __next__(self) -> Batch:
-        self._ensure_planned()
-        if self.position >= len(self._ranges):
+        ranges = self._ensure_planned()
+        if self.position >= len(ranges):
             self._drop_iter()
             raise StopIteration
         if self._pool is None:
-            a, b = self._ranges[self.position]
-            batch = self._loader.load(self._entries[a:b])
+            a, b = ranges[self.position]
+            batch = self._loader.load(self._entries[a:b], self._seq_idx[a:b])
         else:
             if self._iter is None:
-                items: list[Any] = [(i, self._entries[a:b]) for i, (a, b) in enumerate(self._ranges)][self.position :]
+                items = [(i, self._entries[a:b]) for i, (a, b) in enumerate(ranges)][self.position :]
                 self._iter = self._pool.start(items)
             batch = next(self._iter)
         batch.epoch, batch.batch_idx = self.epoch, self.position
         self.position += 1
-        batch.complete_frac = self.position / len(self._ranges)
+        batch.complete_frac = self._fracs[self.position - 1]
         return batch
 
     def _drop_iter(self) -> None:
@@ -275,19 +299,18 @@ class Pipeline:
         """Continue at ``state``'s epoch and position: the remaining batches come next."""
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 1:  # saved before the first set_epoch
-            self.epoch, self.position, self._ranges = 0, 0, None  # type: ignore[assignment]
+            self.epoch, self.position, self._ranges = 0, 0, None
             return
         self.set_epoch(epoch)
+        num_batches = len(self._ensure_planned())
         saved = state.get("num_batches")
-        if saved and saved != len(self._ranges):
+        if saved and saved != num_batches:
             raise DataError(
                 f"cannot resume the data position: epoch {epoch} had {saved} batches when saved, now "
-                f"{len(self._ranges)} (dataset, ordering or batch settings changed)"
+                f"{num_batches} (dataset, ordering or batch settings changed)"
             )
-        if not 0 <= position <= len(self._ranges):
-            raise DataError(
-                f"cannot resume at position {position}: epoch {epoch} has {len(self._ranges)} batches"
-            )
+        if not 0 <= position <= num_batches:
+            raise DataError(f"cannot resume at position {position}: epoch {epoch} has {num_batches} batches")
         self.position = position
 
     def close(self) -> None:
@@ -337,3 +360,16 @@ def batches(
     pipe = Pipeline.from_config(dataset, config, train=train, **extra)
     pipe.set_epoch(epoch)
     return pipe
+
+
+def _complete_fracs(order: Sequence[int], seq_idx: np.ndarray, ranges: Sequence[tuple[int, int]]) -> list[float]:
+    """RETURNN's ``complete_frac`` of each batch: (position of its last sequence in the epoch's order + 1)
+    / sequences in the order, as float32 (RETURNN passes it through a float32 array); 1.0 for the last
+    batch, also when length filtering removed the order's final sequences (the loop's end marker)."""
+    order_arr = np.asarray(order, dtype=np.int64)
+    where = np.empty(int(order_arr.max()) + 1, dtype=np.int64)
+    where[order_arr] = np.arange(len(order_arr))
+    fracs = [float(np.float32((where[seq_idx[b - 1]] + 1) / len(order_arr))) for _, b in ranges]
+    if fracs:
+        fracs[-1] = 1.0
+    return fracs

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from kit.data.dataset import Dataset, SeqDict
+from kit.data.packed import PackedKey
 from kit.errors import ConfigError, DataError
 
 # id 0 = unknown char; then "\t", "\n" and printable ASCII: a fixed vocabulary, the same for every split
@@ -138,3 +139,10 @@ class CharTextDataset(Dataset):
 
     def seq_lengths(self) -> dict[str, np.ndarray]:
         return {"data": self._lens, "classes": self._lens}
+
+    def packed(self) -> dict[str, PackedKey] | None:
+        # every sequence is a window over one id array: the classes window is shifted by one
+        return {
+            "data": PackedKey(self._ids, self._starts, self._lens),
+            "classes": PackedKey(self._ids[1:], self._starts, self._lens),
+        }

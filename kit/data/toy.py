@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from kit.data import ordering
 from kit.data.dataset import Dataset, SeqDict
 from kit.errors import ConfigError
 
@@ -22,39 +23,79 @@ class Task12AXDataset(Dataset):
     outer + inner + it is ``1AX`` or ``2BY`` and clears the inner context; every other
     frame has target 0. ``3``, ``C`` and ``Z`` are distractors that change nothing.
 
-    Sequence ``i`` is drawn from ``numpy.random.default_rng([seed, i])``; its length is
-    the first draw, so ``get_seq_length`` does not generate the sequence.
+    Without kit's ``seed``, the sequences are RETURNN's: sequence ``i`` is drawn from
+    ``numpy.random.RandomState((s, i))`` with RETURNN's draws, where ``s`` is, as in RETURNN,
+    ``fixed_random_seed`` when set (the same sequences and order seed every epoch), else the
+    (full) epoch plus ``random_seed_offset``: new sequences every epoch. kit's ``seed=k``
+    keeps one fixed set of sequences in every epoch, drawn from
+    ``numpy.random.default_rng([k, i])`` (kit's own; the order still changes per epoch).
+    The length is the first draw, so ``get_seq_length`` does not generate the sequence. Unlike RETURNN's generated datasets, ``sorted`` and
+    ``laplace`` orders work (RETURNN falls back to the default order / refuses).
+
+    Args:
+        num_seqs: sequences per epoch.
+        seed: kit's: fixed sequences from this seed (None: RETURNN's sequences and data seed).
+        **opts: the Dataset options (``seq_ordering``, ``fixed_random_seed``, ``partition_epoch``, ...).
     """
 
     symbols = "123ABCXYZ"
     num_classes = 2
     extern_data = {"data": {"shape": (None, 9)}, "classes": {"shape": (None,), "sparse_dim": 2}}
 
-    def __init__(self, num_seqs: int = 1000, *, seed: int = 0, **opts: Any):
+    def __init__(self, num_seqs: int = 1000, *, seed: int | None = None, **opts: Any):
         super().__init__(**opts)
         if not isinstance(num_seqs, int) or num_seqs < 0:
             raise ConfigError(f"Task12AXDataset: num_seqs must be an int >= 0, got {num_seqs!r}")
+        if seed is not None and (not isinstance(seed, int) or seed < 0):
+            raise ConfigError(f"Task12AXDataset: seed must be an int >= 0 or None, got {seed!r}")
         self._num_seqs, self.seed = num_seqs, seed
+        self.data_seed = self._data_seed_for(1)
+
+    def _data_seed_for(self, epoch: int) -> int:
+        if self.seed is not None:
+            return self.seed
+        return ordering.random_seed_for_epoch(
+            epoch,
+            partition_epoch=self.partition_epoch,
+            fixed_random_seed=self.fixed_random_seed,
+            random_seed_offset=self.random_seed_offset or 0,
+        )
+
+    def init_epoch(self, epoch: int) -> bool:
+        """Switch to the sequences of ``epoch`` (RETURNN: new ones per full epoch unless a seed is fixed)."""
+        seed = self._data_seed_for(epoch)
+        if seed == self.data_seed:
+            return False
+        self.data_seed, self._lengths_cache = seed, None
+        return True
 
     @property
     def num_seqs(self) -> int:
         return self._num_seqs
 
-    def _rng(self, idx: int) -> np.random.Generator:
-        return np.random.default_rng([int(self.seed), self._check_index(idx)])
+    def _rng(self, idx: int) -> np.random.Generator | np.random.RandomState:
+        idx = self._check_index(idx)
+        if self.seed is not None:  # kit's fixed sequences (kept as they were: notebooks show their scores)
+            return np.random.default_rng([int(self.seed), idx])
+        return np.random.RandomState((int(self.data_seed), idx))
+
+    @staticmethod
+    def _length(rng: np.random.Generator | np.random.RandomState) -> int:
+        if isinstance(rng, np.random.Generator):
+            return int(rng.integers(10, 100))
+        return int(rng.randint(10, 100))
 
     def get_seq_length(self, idx: int) -> dict[str, int]:
-        n = int(self._rng(idx).integers(10, 100))
+        n = self._length(self._rng(idx))
         return {"data": n, "classes": n}
 
     def get_seq(self, idx: int) -> SeqDict:
         rng = self._rng(idx)
-        n = int(rng.integers(10, 100))
-        return self.encode(self._draw_symbols(rng, n))
+        return self.encode(self._draw_symbols(rng, self._length(rng)))
 
     @staticmethod
-    def _draw_symbols(rng: np.random.Generator, n: int) -> str:
-        # RETURNN's made-up distribution: frequent AX/BY pairs so that target 1 is not rare.
+    def _draw_symbols(rng: np.random.Generator | np.random.RandomState, n: int) -> str:
+        # RETURNN's made-up distribution and draw order: frequent AX/BY pairs so that target 1 is not rare.
         text = str(rng.choice(["", "1", "2"]))
         while len(text) < n:
             if rng.uniform() < 0.5:
@@ -62,7 +103,11 @@ class Task12AXDataset(Dataset):
             if rng.uniform() < 0.9:
                 text += str(rng.choice(["AX", "BY"]))
             while rng.uniform() < 0.5:
-                text += Task12AXDataset.symbols[int(rng.integers(0, 9))]
+                symbols = Task12AXDataset.symbols
+                if isinstance(rng, np.random.Generator):
+                    text += symbols[int(rng.integers(0, 9))]
+                else:
+                    text += str(rng.choice(list(symbols)))
         return text[:n]
 
     @classmethod

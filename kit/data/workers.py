@@ -36,7 +36,7 @@ class _PlanSampler:
     """Yields the plan items from ``start``; re-pointed by the pipeline before each ``iter()``."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[int, Sequence[Entry]]] = []
+        self.items: Sequence[tuple[int, Sequence[Entry]]] = []
 
     def __iter__(self) -> Iterator[tuple[int, Sequence[Entry]]]:
         return iter(self.items)
@@ -90,7 +90,7 @@ class WorkerPool:
         except TypeError as exc:
             raise ConfigError(f"torch_dataloader_opts: {exc}") from None
 
-    def start(self, items: list[tuple[int, Sequence[Entry]]]) -> Iterator[Batch]:
+    def start(self, items: Sequence[tuple[int, Sequence[Entry]]]) -> Iterator[Batch]:
         self.sampler.items = items
         return iter(self.dataloader)
 

@@ -375,6 +375,15 @@ def shard(items: list[Any], rank: int, world_size: int, *, drop_remainder: bool)
 _SHARDED: type | None = None
 
 
+def _fewest_over_ranks(count: int) -> int:
+    """The smallest ``count`` of all ranks (one collective; ``count`` itself without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return count
+    counts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, count)
+    return min(int(c) for c in counts)
+
+
 def _sharded_pipeline_class() -> type[Pipeline]:
     """``ShardedPipeline``, made on first use (kit.data loads only when data is needed)."""
     global _SHARDED
@@ -391,8 +400,15 @@ def _sharded_pipeline_class() -> type[Pipeline]:
             def set_epoch(self, epoch: int) -> None:
                 super().set_epoch(epoch)
                 rank, world_size, drop_remainder = self.shard
-                planned = len(self._ranges or [])
-                self._ranges = shard(self._ranges or [], rank, world_size, drop_remainder=drop_remainder)
+                ranges = self._ranges or []
+                planned = len(ranges)
+                if getattr(self.dataset, "sharded_by_rank", False):
+                    # the dataset read only this rank's files (DistributeFilesDataset): all its batches are
+                    # this rank's; in training the sub-epoch ends when the first rank runs out (RETURNN)
+                    if drop_remainder:
+                        self._ranges = ranges[: _fewest_over_ranks(planned)]
+                else:
+                    self._ranges = shard(ranges, rank, world_size, drop_remainder=drop_remainder)
                 if drop_remainder and not self._ranges:
                     raise DataError(
                         f"epoch {epoch} has {planned} batch(es) for {world_size} processes (torch_distributed): "

@@ -21,18 +21,19 @@ from kit.config import Config
 from kit.data.batch import Batch
 from kit.engine import amp, compute, distributed, parts, state
 from kit.engine import start as start_
-from kit.engine.accounting import EpochAccounting, StepLosses, stack_losses
+from kit.engine.accounting import EpochAccounting, stack_losses
 from kit.engine.debugging import DebugContext, Debugger, DebugProtocol, RngState
 from kit.engine.device import select_device
 from kit.engine.evaluation import evaluate_dataset
+from kit.engine.guard import NonFiniteGuard, check_learning_rate
 from kit.engine.loop import EpochDone, TrainingLoop
 from kit.engine.memory import MemoryFigures, MemoryMeter
 from kit.engine.progress import Progress
 from kit.engine.step import StepOptions, StepResult
 from kit.engine.user_code import call_user, check_accepts_kwargs
-from kit.errors import ConfigError, DataError, KitError, NonFiniteLossError
+from kit.errors import ConfigError, DataError, KitError
 from kit.events import Events
-from kit.rng import derive_seed, get_rng_state, seed_all, set_rng_state
+from kit.rng import epoch_seed, get_rng_state, model_init_seed, seed_all, set_rng_state
 from kit.run_ctx import RunCtx
 from kit.scores import ScoreTable
 
@@ -93,6 +94,7 @@ class Engine:
         self._final_epoch: int | None = None
         self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
         self.views: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
+        self.guard = NonFiniteGuard(self)
 
     def keep_failure(self, ctx: DebugContext) -> None:
         self.last_failure = ctx
@@ -177,7 +179,9 @@ class Engine:
 
             check_optimizer(self.config)
         if self.model_prefix and start_.is_training(self) and (not self.dist or self.dist.is_main):
-            self.prefix_lock = start_.lock_prefix(self.model_prefix)  # 'model' writable and ours, before any step
+            from kit.checkpoints.lock import PrefixLock
+
+            self.prefix_lock = PrefixLock.acquire(self.model_prefix)  # 'model' writable and ours, before any step
         self.datasets = parts.build_datasets(self.config)
         self._attach_config_views()
         self.extern_data = parts.build_extern_data(self.config)
@@ -213,7 +217,7 @@ class Engine:
         get_model = self.config.typed_value("get_model")
         if get_model is None:
             raise ConfigError("config key 'get_model' is not set: expected get_model(*, epoch, step, **kwargs)")
-        seed_all(derive_seed(self.config.int("random_seed"), epoch, step))
+        seed_all(model_init_seed(self.config.int("random_seed"), epoch, step))  # RETURNN's: the same init
         model = call_user(get_model, "get_model", epoch=epoch, step=step)
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"config key 'get_model': returned {type(model).__name__}, expected a torch.nn.Module")
@@ -246,6 +250,7 @@ class Engine:
     @property
     def step_options(self) -> StepOptions:
         if self._options is None or self._options[0] != self.config.version:
+            self.guard.config_changed()
             self._options = (self.config.version, StepOptions.read(self.config))
         return self._options[1]
 
@@ -271,6 +276,7 @@ class Engine:
             self.events.emit("step_begin", epoch=p.epoch, step=p.step_in_epoch, batch=batch)
         batch_dev = compute.to_device(batch, self.built_device)
         self.last_batch = batch  # a reference only: debug contexts of "step" breaks read it
+        self.guard.begin_step()
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
             self.built_updater.optimizer.zero_grad(set_to_none=True)
@@ -289,12 +295,14 @@ class Engine:
         compute.backward(compute.total_loss(ctx), self.grad_scaler)
         p.accum_count += 1
         step_losses = stack_losses(ctx.losses)
+        # guard: this micro-batch's losses and the gradients so far, before any clipping
+        finite = self.guard.after_backward(step_losses, batch, rng_before=self.step_rng_state)
         # update when the accumulation window is complete
         updated, grad_norm = False, None
-        if p.accum_count >= accum_multiple:
-            updated, grad_norm = self._update(step_losses, batch)
+        if finite and p.accum_count >= accum_multiple:
+            updated, grad_norm = self._update()
         # account: losses stay on the device
-        self.accounting.add(step_losses)
+        self.guard.account(step_losses)
         # memory: the step's peak window closes (CUDA host counters; nothing is read elsewhere)
         peak = self.built_memory.end_step()
         result = StepResult(p.epoch, p.step_in_epoch, p.global_train_step, lr, updated,
@@ -302,75 +310,37 @@ class Engine:
                             peak)
         p.step_in_epoch += 1
         p.global_train_step += 1
+        p.last_complete_frac = batch.complete_frac if batch.complete_frac is not None else p.last_complete_frac
+        self.guard.end_step()
         self.events.emit("step_end", result=result)
         if probe_lr is not None:
             return result
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
+            self.guard.check()  # the log line reads the losses anyway
             self._log_step(result)
         if opts.save_every and p.global_train_step % opts.save_every == 0:
             self.save_checkpoint(kind="step")
+        self.guard.step_returned()
         return result
 
-    def _update(self, step_losses: StepLosses, batch: Batch | None) -> tuple[bool, torch.Tensor | None]:
-        """Unscale → gradient noise → clip → non-finite guard → optimizer step → scaler update."""
+    def _update(self) -> tuple[bool, torch.Tensor | None]:
+        """Unscale → gradient noise → clip → optimizer step (a no-op on the device after a NaN/Inf)."""
         p, optimizer, scaler = self.progress, self.built_updater.optimizer, self.grad_scaler
         p.accum_count = 0
         if scaler is not None:
             scaler.unscale_(optimizer)
         self.built_updater.apply_gradient_noise()
-        guard = self.step_options.guard
-        # with a float16 scaler, inf gradients are expected: the scaler skips those steps itself
-        grad_norm = self.built_updater.clip_gradients(need_grad_norm=guard and scaler is None)
-        if guard and not self._all_finite(step_losses, None if scaler else grad_norm):
-            if not self._handle_nonfinite(step_losses, grad_norm, batch):
-                return False, grad_norm
+        grad_norm = self.built_updater.clip_gradients()
         if scaler is not None:
-            scaler.step(optimizer)
+            self.guard.step_optimizer(lambda: scaler.step(optimizer))
             scaler.update()
         else:
-            optimizer.step()
+            self.guard.step_optimizer(optimizer.step)
         p.num_updates += 1
         p.consec_skipped_updates = 0
         if self.dist:  # reduce_type "param": average the weights every param_sync_step updates
             self.dist.after_update(self.built_model, p.num_updates)
         return True, grad_norm
-
-    @staticmethod
-    def _all_finite(step_losses: StepLosses, grad_norm: torch.Tensor | None) -> bool:
-        """The guard's single device→host read."""
-        flags = torch.isfinite(step_losses.values).all()
-        if grad_norm is not None:
-            flags = flags & torch.isfinite(grad_norm.to(flags.device))
-        return bool(flags)
-
-    def _handle_nonfinite(self, step_losses: StepLosses, grad_norm: torch.Tensor | None, batch: Batch | None) -> bool:
-        """Drop the update; raise (default) or skip per ``nonfinite_policy``. Returns False."""
-        p = self.progress
-        bad = [f"loss {name}" for name, v in step_losses.normalized().items() if not _finite(v)]
-        if grad_norm is not None and not torch.isfinite(grad_norm).all():
-            bad.append(f"gradient norm ({float(grad_norm)})")
-            bad += [f"gradient of {n}" for n, prm in self.built_model.named_parameters()
-                    if prm.grad is not None and not torch.isfinite(prm.grad).all()][:20]
-        self.built_updater.optimizer.zero_grad(set_to_none=True)
-        error = NonFiniteLossError(
-            f"non-finite values at epoch {p.epoch}, step {p.step_in_epoch} (global step {p.global_train_step}): "
-            f"{', '.join(bad)}; the update was not applied (parameters and optimizer state are unchanged)",
-            epoch=p.epoch, step=p.step_in_epoch, nonfinite=bad)
-        self.events.emit("nonfinite", error=error, batch=batch)
-        if self.debugger is not None:
-            self.debugger.notify("nonfinite", error=error, batch=batch, step_losses=step_losses, rng=self.step_rng_state)
-        if self.config.typed_value("nonfinite_policy") == "skip":
-            p.consec_skipped_updates += 1
-            p.skipped_updates_in_epoch += 1
-            limit = self.config.int("num_allowed_consec_invalid_gradient_steps")
-            if p.consec_skipped_updates <= limit:
-                logger.warning("%s — skipped (%d in a row)", error, p.consec_skipped_updates)
-                return False
-            error.args = (f"{error.args[0]}; {p.consec_skipped_updates} non-finite updates in a row "
-                          f"exceed num_allowed_consec_invalid_gradient_steps={limit}",)
-        # the step does not count: counters stay where they were before it
-        p.accum_count = 0
-        raise error
 
     def _accum_grad_multiple_step(self, batch: Batch, opts: StepOptions) -> int:
         value = opts.accum_grad_multiple_step
@@ -387,9 +357,13 @@ class Engine:
     def _set_step_learning_rate(self, batch: Batch, opts: StepOptions) -> float:
         lr = self.epoch_learning_rate
         if opts.dynamic_learning_rate is not None:
+            # RETURNN sets the lr before a step from the position after the previous one
+            # (epoch - 1 at the first step of an epoch), not from the batch about to be trained
             lr = self.built_lr_control.dynamic_learning_rate(
                 global_train_step=self.progress.global_train_step, epoch=self.progress.epoch,
-                epoch_continuous=self._epoch_continuous(batch), learning_rate=self.epoch_learning_rate)
+                epoch_continuous=self.progress.epoch - 1 + self.progress.last_complete_frac,
+                learning_rate=self.epoch_learning_rate)
+            check_learning_rate(lr, "config key 'dynamic_learning_rate'", f"global step {self.progress.global_train_step}")
         if lr != self.step_learning_rate:
             self.built_updater.set_learning_rate(lr)
             self.step_learning_rate = lr
@@ -411,16 +385,19 @@ class Engine:
     def _begin_epoch(self) -> None:
         p = self.progress
         self.epoch_learning_rate = float(self.built_lr_control.learning_rate_for_epoch(p.epoch))
+        check_learning_rate(self.epoch_learning_rate, "the learning rate control (learning_rate, learning_rates, "
+                            "learning_rate_file)", f"epoch {p.epoch}")
         self.built_updater.set_learning_rate(self.epoch_learning_rate)
         self.step_learning_rate = self.epoch_learning_rate
         # randomness depends on (random_seed, epoch, global step) only, not on process history
         # (and on the rank: DDP ranks must not all draw the same dropout masks)
         rank = (self.dist.rank,) if self.dist and self.dist.rank else ()  # rank 0 draws as one process
-        seed_all(derive_seed(self.config.int("random_seed"), p.epoch, p.global_train_step, *rank))
+        seed_all(epoch_seed(p.epoch, p.global_train_step, self.config.int("random_seed"), *rank))  # RETURNN's
         self.built_pipeline.set_epoch(p.epoch)
         self.accounting = EpochAccounting()
         p.epoch_running, p.steps_exhausted, p.step_in_epoch = True, False, 0
         p.skipped_updates_in_epoch, p.epoch_start_global_step = 0, p.global_train_step
+        p.last_complete_frac = 0.0
         self.epoch_start_time = time.time()
         self.built_model.train()
         logger.info("start epoch %d, global train step %d, learning rate %g", p.epoch, p.global_train_step,
@@ -437,7 +414,8 @@ class Engine:
         while self.train_step() is not None:  # the epoch's remaining steps, if any
             pass
         if p.accum_count:  # a partial accumulation window: RETURNN drops it, kit applies it
-            self._update(stack_losses({}), None)
+            self._update()
+        self.guard.check()  # the epoch's scores read the losses anyway
         if self.dist:  # the loss sums of all ranks; reduce_type "param": the same weights everywhere
             self.dist.finish_train_epoch(self.built_model, self.accounting)
         epoch = p.epoch
@@ -469,7 +447,9 @@ class Engine:
         import kit
 
         meta = {
-            "global_train_step": self.progress.global_train_step,
+            # RETURNN's meaning: the global step at the epoch's start; its end under global_train_step_end
+            "global_train_step": self.progress.epoch_start_global_step,
+            "global_train_step_end": self.progress.global_train_step,
             "effective_learning_rate": self.step_learning_rate,
             "epoch_num_train_steps": self.accounting.num_steps,
             "epoch_train_time_secs": round(time.time() - self.epoch_start_time, 3),
@@ -487,7 +467,8 @@ class Engine:
         """The rest of the current epoch (or the next one) and its end work, through the loop;
         None when ``should_stop`` stopped it first, or when every epoch is trained."""
         self.ensure_training_parts()
-        with self.loop.driven("epoch") as outcome:
+        # the guard's flag (deferred mode) is read when the call ends, before run_end says how it ended
+        with self.loop.driven("epoch") as outcome, self.guard.deferred_reads():
             while (unit := self.loop.next_unit()) is not None:
                 if isinstance(unit, EpochDone):
                     return unit.scores
@@ -499,7 +480,7 @@ class Engine:
     def train(self, should_stop: Callable[[], bool] | None = None) -> bool:
         """Train up to ``num_epochs`` through the loop; True when finished, False when ``should_stop`` paused it."""
         self.ensure_training_parts()
-        with self.loop.driven("train") as outcome:
+        with self.loop.driven("train") as outcome, self.guard.deferred_reads():
             while self.loop.next_unit() is not None:
                 if should_stop is not None and should_stop() and not self.all_trained:
                     outcome.value = "paused"
@@ -549,6 +530,7 @@ class Engine:
 
     def save_checkpoint(self, *, kind: str = "step", epoch: int | None = None) -> Any:
         """Write a checkpoint of the whole training state now (epoch or mid-epoch step)."""
+        self.guard.check()  # never a checkpoint of a state the guard would rewind
         if self.dist:  # rank 0 writes (mid-epoch with the loss sums of all ranks so far); the others wait
             ckpt = self.dist.save_on_main(lambda: state.save(self, kind=kind, epoch=epoch),
                                           self.accounting if self.progress.epoch_running else None)
@@ -570,6 +552,7 @@ class Engine:
         if saved is None:
             raise KitError(f"checkpoint {ckpt.path} has no training state to restore; use load() to inspect it")
         checkpoints.load_into_model(self.built_model, model_file["model"])
+        self.guard.reset()
         self.accounting = EpochAccounting()
         state.load_train_state(self, saved)
         p = self.progress
@@ -615,10 +598,6 @@ def _built(part: _Part | None, what: str) -> _Part:
 def _torch_rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda
-
-
-def _finite(v: float) -> bool:
-    return v == v and v not in (float("inf"), float("-inf"))
 
 
 def _format_scores(scores: Mapping[str, float]) -> str:

@@ -1,7 +1,7 @@
 """Evaluation of one dataset: the user's ``train_step`` with ``train_flag=False``, losses summed on the device.
 
-Results are named ``<dataset>_loss_<loss>``; chunking is not applied (unless
-``chunking_in_eval``); under torchrun each rank evaluates its share and the sums are added.
+Results are named ``<dataset>_loss_<loss>``; ``chunking`` applies as in training (RETURNN's torch
+engine; ``chunking_in_eval=False`` evaluates whole sequences); under torchrun each rank evaluates its share and the sums are added.
 """
 
 from __future__ import annotations

@@ -119,13 +119,38 @@ def _batches(engine: Engine, data: Dataset | Batch, seq_indices: list[int] | Non
     from kit.data.pipeline import Pipeline
 
     # longest first: an OOM shows up at once, not after an hour; the user's dataset object is untouched
-    pipeline = Pipeline.from_config(data, engine.config, train=False, extern_data=engine.extern_data,
-                                    seq_ordering="sorted_reverse", seq_indices=seq_indices)
+    pipeline = Pipeline.from_config(
+        data,
+        engine.config,
+        train=False,
+        extern_data=_keys_of(engine.extern_data, data),
+        seq_ordering="sorted_reverse",
+        seq_indices=seq_indices,
+    )
     pipeline.set_epoch(max(1, engine.progress.epoch))
     try:
         yield from pipeline
     finally:
         pipeline.close()
+
+
+def _keys_of(extern_data: Any, data: Any) -> Any:
+    """``extern_data`` less the keys that ``data`` does not have: new input comes without targets.
+
+    Inference on raw input (``session.forward(ArrayDataset([{"data": ...}]))``) must not need
+    the ``classes`` that only training reads; a key the data lacks and ``forward_step`` reads
+    is still a KeyError naming it.
+    """
+    if extern_data is None or not hasattr(data, "get_seq") or len(data) == 0:
+        return extern_data
+    present = set(data.get_seq(0))
+    if not present & set(extern_data) or present >= set(extern_data):
+        return extern_data  # nothing to drop, or nothing in common: the usual error names the keys
+    from kit.data.extern_data import ExternData
+
+    subset = ExternData(extern_data)
+    subset.specs = {k: spec for k, spec in subset.specs.items() if k in present}
+    return subset
 
 
 def _forward_batch(engine: Engine, forward_step: Any, batch: Batch, callback: Any) -> None:

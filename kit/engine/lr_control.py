@@ -76,8 +76,8 @@ class LearningRateControl:
         self.relative_to_lr = config.bool("learning_rate_control_relative_error_relative_lr")
         self.min_num_epochs_per_new_lr = config.int("learning_rate_control_min_num_epochs_per_new_lr")
         self.relative_error_div_by_old = config.bool("newbob_relative_error_div_by_old")
-        self.decay = _decay_setting(config)
-        self.growth = config.float("learning_rate_growth")
+        self.decay = _factor_setting(config, "learning_rate_decay", "newbob_learning_rate_decay")
+        self.growth = _factor_setting(config, "learning_rate_growth", "newbob_learning_rate_growth")
         self.relative_error_threshold = config.float("newbob_relative_error_threshold")
         grow = config.float("newbob_relative_error_grow_threshold")
         self.relative_error_grow_threshold = self.relative_error_threshold if grow is None else float(grow)
@@ -161,9 +161,9 @@ class LearningRateControl:
 
     def _decay_or_grow(self, lr: float, *, decay: bool, grow: bool) -> float:
         if decay:
-            return max(lr * self.decay, self.min_learning_rate)
+            return max(_apply_factor(self.decay, lr, "learning_rate_decay"), self.min_learning_rate)
         if grow:
-            return lr * self.growth
+            return _apply_factor(self.growth, lr, "learning_rate_growth")
         return lr
 
     # ---- what the schemes read ------------------------------------------------------------
@@ -189,19 +189,22 @@ class LearningRateControl:
         if not scores:
             return None
         if self.error_measure:
-            for key in (self.error_measure, self.error_measure + "_output"):
+            measures = [self.error_measure] if isinstance(self.error_measure, str) else list(self.error_measure)
+            for key in [k for m in measures for k in (m, m + "_output")]:
                 if key in scores:
                     return key
             raise ConfigError(
                 f"config key 'learning_rate_control_error_measure': {self.error_measure!r} is not among the "
                 f"scores of epoch {epoch}: {', '.join(sorted(scores))}"
             )
-        errors = self.scores.error_keys
+        # RETURNN's order: dev_score, then the first dev_ key in sorted order (an error key too), then
+        # train_score, then the smallest key
         candidates = (
             [k for k in ("dev_score", "dev_score_output") if k in scores]
-            + sorted(k for k in scores if k.startswith("dev_") and k not in errors)
-            + sorted(k for k in scores if k not in errors)
-            + sorted(scores)
+            + sorted(k for k in scores if k.startswith("dev_score_output/"))
+            + sorted(k for k in scores if k.startswith("dev_"))
+            + [k for k in ("train_score", "train_score_output") if k in scores]
+            + [min(scores)]
         )
         key = candidates[0]
         if self.needs_scores and key not in self._warned_keys:
@@ -305,13 +308,25 @@ def _predefined_learning_rates(value: Any) -> dict[int, float]:
     )
 
 
-def _decay_setting(config: Config) -> float:
-    if config.has("learning_rate_decay") or not config.has("newbob_learning_rate_decay"):
-        return config.float("learning_rate_decay")
-    decay = config.float("newbob_learning_rate_decay")
-    if decay is None:
-        raise ConfigError("config key 'newbob_learning_rate_decay': got None, expected a number")
-    return decay
+def _factor_setting(config: Config, key: str, alias: str) -> float | Callable[[float], float]:
+    """RETURNN: ``key`` if set, else its ``newbob_`` alias; a number or a function lr -> lr."""
+    name = key if config.has(key) or not config.has(alias) else alias
+    value = config.typed_value(name)
+    if callable(value):
+        return value
+    number = config.float(name)
+    if number is None:
+        raise ConfigError(f"config key '{name}': got None, expected a number or a function lr -> lr")
+    return number
+
+
+def _apply_factor(update: float | Callable[[float], float], lr: float, key: str) -> float:
+    if not callable(update):
+        return lr * update
+    new = update(lr)
+    if isinstance(new, bool) or not isinstance(new, numbers.Real):
+        raise ConfigError(f"config key '{key}': the function returned {new!r}, expected a float")
+    return float(new)
 
 
 def _check_dynamic_lr(fn: Callable[..., Any]) -> None:

@@ -61,6 +61,10 @@ def score_file_path(config: Config) -> str | None:
 def open_score_table(config: Config) -> Any:
     from kit.scores import ScoreTable
 
+    if config.typed_value("learning_rate_file"):  # RETURNN's format stays RETURNN's; kit's JSON beside it
+        from kit.compat.returnn_run import ReturnnScoreTable
+
+        return ReturnnScoreTable.open(config.typed_value("learning_rate_file"))
     path = score_file_path(config)
     if path and os.path.exists(path):
         return ScoreTable.load(path)

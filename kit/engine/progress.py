@@ -25,6 +25,7 @@ class Progress:
     consec_skipped_updates: int = 0
     skipped_updates_in_epoch: int = 0
     epoch_start_global_step: int = 0
+    last_complete_frac: float = 0.0  # of the last batch trained: RETURNN's epoch_continuous of the next step
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

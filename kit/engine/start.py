@@ -36,6 +36,7 @@ import torch
 
 from kit import checkpoints
 from kit.checkpoints.naming import parse_model_path
+from kit.compat.returnn_run import returnn_start
 from kit.config import Config
 from kit.engine.parts import eval_datasets
 from kit.errors import CheckpointError, ConfigError
@@ -101,6 +102,8 @@ def _find_train_start(config: Config) -> Start:
             start.epoch, start.first_train_epoch = start_epoch, False
             return start
         return _start_from(_epoch_checkpoint(prefix, start_epoch - 1, "start_epoch"), f"start_epoch={start_epoch}")
+    if (returnn := returnn_start(prefix, training=True)) is not None:  # a RETURNN run, newer than kit's files
+        return Start(**returnn)
     if prefix and (loaded := checkpoints.load_latest(prefix)) is not None:
         if load or config.typed_value("import_model_train_epoch1"):
             logger.info("resuming from the existing checkpoint %s; 'load' / 'import_model_train_epoch1' are ignored",
@@ -122,6 +125,8 @@ def _find_eval_start(config: Config) -> Start:
     if config.typed_value("load_epoch"):
         ckpt = _epoch_checkpoint(prefix, int(config.typed_value("load_epoch")), "load_epoch")
         return _start_from(ckpt, "load_epoch", with_train_state=False)
+    if (returnn := returnn_start(prefix, training=False)) is not None:
+        return Start(**returnn)
     if prefix and (loaded := checkpoints.load_latest(prefix, load_train_state=False)) is not None:
         return _start_from(loaded[0], "newest checkpoint", with_train_state=False, loaded=loaded[1:])
     return Start(first_train_epoch=False)
@@ -318,13 +323,6 @@ def init_weights(engine: Engine, start: Start) -> None:
     hooks = config.typed_value("load_model_post_hooks")
     if hooks:
         checkpoints.apply_load_model_post_hooks(model, hooks)
-
-
-def lock_prefix(prefix: str) -> Any:
-    """The run's lock on its model prefix (also the check that checkpoints can be written there)."""
-    from kit.checkpoints.lock import PrefixLock
-
-    return PrefixLock.acquire(prefix)
 
 
 # keys that a resumed run may change without it being another run

@@ -23,9 +23,13 @@ if TYPE_CHECKING:
 def train_state(engine: Engine) -> dict[str, Any]:
     """Everything besides the weights that a bit-exact continuation needs."""
     p = engine.progress
+    updater = engine.built_updater.state_dict() if engine.updater else None
     state: dict[str, Any] = {
         "progress": p.state_dict(),
-        "optimizer": engine.built_updater.state_dict() if engine.updater else None,
+        # "optimizer" and "param_names" at the top, as in RETURNN's .opt.pt: RETURNN can continue from it
+        "optimizer": updater.pop("optimizer") if updater else None,
+        "param_names": updater["param_names"] if updater else None,
+        "updater": updater,
         "grad_scaler": engine.grad_scaler.state_dict() if engine.grad_scaler else None,
         "pipeline": engine.built_pipeline.state_dict() if engine.train_pipeline and p.epoch_running else None,
         "accounting": engine.accounting.state_dict() if p.epoch_running else None,
@@ -49,7 +53,10 @@ def load_train_state(engine: Engine, state: dict[str, Any]) -> None:
     p = engine.progress
     p.load_state_dict(state["progress"])
     if state.get("optimizer") is not None:
-        engine.built_updater.load_state_dict(state["optimizer"])
+        if "updater" in state:
+            engine.built_updater.load_state_dict({**(state["updater"] or {}), "optimizer": state["optimizer"]})
+        else:  # kit's earlier layout: the whole updater state under "optimizer"
+            engine.built_updater.load_state_dict(state["optimizer"])
     if state.get("grad_scaler") is not None and engine.grad_scaler is not None:
         engine.grad_scaler.load_state_dict(state["grad_scaler"])
         # GradScaler creates its scale tensor on the first scale() call; an open accumulation

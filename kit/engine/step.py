@@ -29,7 +29,7 @@ class StepResult:
     num_seqs: int
     complete_frac: float | None
     step_losses: StepLosses
-    grad_norm: torch.Tensor | None = None
+    grad_norm: torch.Tensor | None = None  # before norm clipping, when gradient_clip_global_norm is set
     memory_peak: int | None = None  # bytes: the step's CUDA peak (None on other devices)
 
     @property

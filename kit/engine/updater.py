@@ -10,8 +10,9 @@ tensor, and learning rates are plain Python floats set on the parameter groups.
 ``optimizer`` may be ``{"class": name | "pkg.mod.Class" | type | factory, **kwargs}``, an
 optimizer class, or a factory ``f(params, lr=.., **kwargs) -> Optimizer``. Like RETURNN:
 ``epsilon`` is an alias of ``eps``, ``lr`` inside is refused (set ``learning_rate``), and with
-``weight_decay`` the parameters of norm layers and embeddings and all biases / 1-d parameters go
-into a second group with ``weight_decay=0``. Unlike RETURNN, an unset ``eps`` keeps torch's default
+``weight_decay`` the parameters of ``LayerNorm`` / ``Embedding`` (or ``weight_decay_modules_blacklist``)
+and every parameter named ``*bias`` go into a second group with ``weight_decay=0``; each group
+lists its parameters sorted by name, as RETURNN's, so that RETURNN's ``.opt.pt`` files load. Unlike RETURNN, an unset ``eps`` keeps torch's default
 (RETURNN sets 1e-16).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -42,17 +44,8 @@ _GROUPING_OPTS = (
 
 
 def default_weight_decay_blacklist() -> tuple[type, ...]:
-    """Module types whose parameters never decay: norm layers and embeddings."""
-    types: list[type] = [
-        torch.nn.LayerNorm,
-        torch.nn.modules.batchnorm._NormBase,  # BatchNorm*, SyncBatchNorm, InstanceNorm*
-        torch.nn.GroupNorm,
-        torch.nn.Embedding,
-        torch.nn.EmbeddingBag,
-    ]
-    if hasattr(torch.nn, "RMSNorm"):
-        types.append(torch.nn.RMSNorm)
-    return tuple(types)
+    """Module types whose parameters never decay by default: RETURNN's LayerNorm and Embedding."""
+    return (torch.nn.LayerNorm, torch.nn.Embedding)
 
 
 def _accepted_kwargs(cls: type) -> set[str] | None:
@@ -150,7 +143,8 @@ class Updater:
         param_groups_custom: Callable[..., list[dict[str, Any]]] | None,
     ) -> list[dict[str, Any]]:
         if param_groups_custom is not None:
-            groups = param_groups_custom(model=self.model, optimizer_class=cls, optimizer_opts=dict(opts))
+            groups = param_groups_custom(model=self.model, rf_model=_rf_module(self.model), optimizer_class=cls,
+                                         optimizer_opts=dict(opts))
             if not isinstance(groups, (list, tuple)) or not all(
                 isinstance(g, dict) and "params" in g for g in groups
             ):
@@ -166,13 +160,13 @@ class Updater:
             else _blacklist_types(weight_decay_modules_blacklist)
         )
         decay, no_decay = self._split_weight_decay(blacklist, weight_decay_custom_include_check)
-        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return [{"params": decay, "weight_decay": opts["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}]
 
     def _split_weight_decay(
         self, blacklist: tuple[type, ...], include_check: Callable[..., bool | None] | None
     ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
-        decay: list[torch.nn.Parameter] = []
-        no_decay: list[torch.nn.Parameter] = []
+        decay: dict[str, torch.nn.Parameter] = {}
+        no_decay: dict[str, torch.nn.Parameter] = {}
         seen: set[int] = set()  # shared parameters appear under several modules: each goes in once
         for module_name, module in self.model.named_modules():
             for local_name, param in module.named_parameters(recurse=False):
@@ -182,23 +176,18 @@ class Updater:
                 full_name = f"{module_name}.{local_name}" if module_name else local_name
                 include = None
                 if include_check is not None:
-                    include = include_check(
-                        module=module,
-                        param_name=full_name,
-                        param=param,
-                        full_param_name=full_name,
-                        module_name=module_name,
-                    )
+                    # RETURNN's arguments, with its value for full_param_name: the name inside the module
+                    include = include_check(module=module, rf_module=_rf_module(module),
+                                            full_param_name=local_name, param=param)
                     if include is not None and not isinstance(include, bool):
                         raise ConfigError(
                             f"weight_decay_custom_include_check returned {include!r} for {full_name!r}; expected True, False or None"
                         )
                 if include is None:
-                    include = not (
-                        local_name.endswith("bias") or param.dim() <= 1 or isinstance(module, blacklist)
-                    )
-                (decay if include else no_decay).append(param)
-        return decay, no_decay
+                    include = not (local_name.endswith("bias") or isinstance(module, blacklist))
+                (decay if include else no_decay)[full_name] = param
+        # RETURNN sorts each group by parameter name (the optimizer state's order follows it)
+        return [decay[n] for n in sorted(decay)], [no_decay[n] for n in sorted(no_decay)]
 
     # ---- learning rate ------------------------------------------------------------------
 
@@ -294,6 +283,17 @@ class Updater:
             )
         self.optimizer.load_state_dict(opt_state)
         self.learning_rate = float(state.get("learning_rate", self.learning_rate))
+
+
+def _rf_module(module: torch.nn.Module) -> Any:
+    """RETURNN's rf module behind a converted torch module (None without RETURNN or for plain modules)."""
+    if "returnn" not in sys.modules:
+        return None
+    try:
+        from returnn.torch.frontend.bridge import wrapped_pt_module_to_rf_module  # type: ignore[import]
+    except ImportError:
+        return None
+    return wrapped_pt_module_to_rf_module(module)
 
 
 def truncated_normal_like(tensor: torch.Tensor, std: float) -> torch.Tensor:

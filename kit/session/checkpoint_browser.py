@@ -31,6 +31,10 @@ def _stat_key(path: str) -> tuple[int, int] | None:
         return None
     return st.st_size, st.st_mtime_ns
 
+# the table's columns (score columns and is_best_* follow when there are scores)
+TABLE_COLUMNS = ("name", "kind", "epoch", "global_train_step", "path", "size_mb", "time", "complete", "verified",
+                 "would_remove")
+
 
 class CheckpointBrowser:
     """``session.checkpoints``: the checkpoint files under the session's ``model`` prefix."""
@@ -73,7 +77,18 @@ class CheckpointBrowser:
 
     @property
     def table(self) -> Any:
-        """DataFrame: one row per checkpoint with scores, verification, best flags, cleanup preview."""
+        """DataFrame: one row per checkpoint with what one chooses by — name, kind, epoch, step,
+        complete / verified, scores, best flags (``is_best_<score>``) and, with ``cleanup_old_models``
+        set, the cleanup preview (``would_remove``). Paths, sizes and times: :attr:`table_all`."""
+        frame = self.table_all
+        hidden = {"path", "size_mb", "time"}
+        if not self._session.config.typed_value("cleanup_old_models"):
+            hidden.add("would_remove")
+        return frame[[c for c in frame.columns if c not in hidden]]
+
+    @property
+    def table_all(self) -> Any:
+        """DataFrame: :attr:`table` plus each checkpoint's path, size (MB), time and cleanup preview."""
         import pandas as pd
 
         scores = self._session.score_table
@@ -90,7 +105,7 @@ class CheckpointBrowser:
             if c.kind == "epoch" and c.epoch in scores.epochs:
                 row.update(scores.scores(c.epoch))
             rows.append(row)
-        frame = pd.DataFrame(rows)
+        frame = pd.DataFrame(rows, columns=None if rows else list(TABLE_COLUMNS))  # empty: the columns stay
         for key in [k for k in frame.columns if "_loss_" in k or k.endswith("_score")]:
             best = frame[key].min()
             frame[f"is_best_{key}"] = frame[key] == best

@@ -21,6 +21,7 @@ import gc
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -63,11 +64,13 @@ class Session:
 
     Args:
         config: a :class:`Config` (or mapping of config keys).
-        live: show the live dashboard whenever training runs.
+        live: ``True``: show the live dashboard whenever training runs; ``None`` (default): in a
+            notebook, each train call shows a one-line live progress (unless a dashboard of this
+            session is open); ``False``: show nothing. A train call's ``live=`` overrides it.
         history_max_rows: bound of :attr:`history`; beyond it older steps are thinned out.
     """
 
-    def __init__(self, config: Config | Mapping[str, Any] | None = None, *, live: bool = False,
+    def __init__(self, config: Config | Mapping[str, Any] | None = None, *, live: bool | None = None,
                  history_max_rows: int = 100_000, **kwargs: Any):
         if isinstance(config, Config):
             self.config = config.copy().update(kwargs)
@@ -83,7 +86,9 @@ class Session:
         self.history_store = History(max_rows=history_max_rows)  # the one per-step store; views read it
         self.history_store.subscribe(self.events)
         self.live = live
-        self.live_dashboard: Any = None  # the dashboard ``live=True`` shows (one per session)
+        self.live_dashboard: Any = None  # the dashboard ``live=True`` showed for the last train call
+        self.dashboards: weakref.WeakSet[Any] = weakref.WeakSet()  # every dashboard() of this session
+        self.progress_line: Any = None  # the default notebook progress (kit.widgets.progress)
         # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
         self.debug_hook: Hook | None = self.config.typed_value("debug_hook") or debug.capture
         self.breakpoints = Breakpoints(self.engine, lambda: self.debug_hook)
@@ -229,7 +234,9 @@ class Session:
 
     def train_step(self) -> StepResult | Paused | DebugContext | None:
         """One step of the current epoch (rolling into the next epoch when this one is done)."""
-        return self.driver.run("steps", lambda: self.driver.units("steps", 1), live=None, allow_finished=False)
+        # no progress line for one step (a dashboard still shows it when ``live=True``)
+        return self.driver.run("steps", lambda: self.driver.units("steps", 1), live=bool(self.live),
+                               allow_finished=False)
 
     def train_steps(self, n: int) -> StepResult | Paused | DebugContext | None:
         """``n`` more steps, continuing where the last call stopped; returns the last StepResult."""
@@ -444,8 +451,24 @@ class Session:
 
     @property
     def scores(self) -> Any:
-        """pandas DataFrame, one row per epoch — the same as the score file."""
-        return self.score_table.to_pandas()
+        """pandas DataFrame, one row per epoch: learning rate and scores (the run's metadata is in
+        :attr:`scores_meta`; ``session.score_table.to_pandas()`` has both, as the score file)."""
+        return self.score_table.to_pandas("scores")
+
+    @property
+    def scores_meta(self) -> Any:
+        """pandas DataFrame, one row per epoch: steps, train time, time, host, device, versions, memory."""
+        return self.score_table.to_pandas("meta")
+
+    def plot(self, *, smoothing: float = 0.9) -> Any:
+        """A matplotlib Figure: losses and error rates per step (raw and smoothed, on separate axes)
+        and the scores per epoch (shows itself in a notebook; ``.savefig(path)`` writes it)."""
+        from kit.scores import split_score_key
+        from kit.widgets.training_plot import plot_training
+
+        table = self.score_table
+        errors = {split_score_key(k)[1] for k in table.error_keys} | set(self.engine.accounting.errors)
+        return plot_training(self.history, self.scores, error_names=errors, smoothing=smoothing)
 
     @property
     def history(self) -> Any:
@@ -473,15 +496,34 @@ class Session:
     def dashboard(self) -> Any:
         from kit.widgets import Dashboard
 
-        return Dashboard(self)
+        dashboard = Dashboard(self)
+        self.dashboards.add(dashboard)
+        return dashboard
+
+    def show_progress(self) -> None:
+        """The default of a train call in a notebook: a live progress line, unless a dashboard watches."""
+        from kit.widgets import progress
+
+        if not progress.wanted() or any(not d.detached for d in self.dashboards):
+            return
+        if self.progress_line is None:
+            self.progress_line = progress.ProgressLine(self)
+        self.progress_line.start()
+
+    def end_progress(self, outcome: str) -> None:
+        """The train call ended (``outcome``: "done", "finished", "paused at ...", "error: ..."): the line says so."""
+        if self.progress_line is not None:
+            self.progress_line.finish(outcome)
 
     def show_dashboard(self) -> None:
-        """Display the session's live dashboard (made on first use) in the notebook."""
+        """Display a live dashboard for this train call in the notebook (the last call's one stops following)."""
         try:
             from IPython.display import display
 
-            if self.live_dashboard is None:  # one live dashboard per session, not one per call
-                self.live_dashboard = self.dashboard()
+            # one per call: the one before stops following, so that its cell keeps its own run's last frame
+            if self.live_dashboard is not None:
+                self.live_dashboard.detach()
+            self.live_dashboard = self.dashboard()
             display(self.live_dashboard)
         except ImportError:
             pass
@@ -520,8 +562,30 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def resume_plan(self) -> str | None:
+        """Before first use: where training will continue ("will resume from model.002, epoch 3"), read from
+        the newest complete checkpoint's name (nothing is built, loaded or verified); None when it starts fresh."""
+        from kit.checkpoints import list_checkpoints
+
+        engine = self.engine
+        prefix = engine.model_prefix
+        if engine.is_set_up or not prefix or self.config.typed_value("start_epoch") not in ("auto", None):
+            return None
+        newest = next((c for c in reversed(list_checkpoints(prefix)) if c.complete), None)
+        if newest is None:
+            return None
+        if newest.kind == "epoch" and newest.epoch >= engine.final_epoch:
+            return f"trained to epoch {newest.epoch} (num_epochs={engine.final_epoch}), from {newest.name}"
+        epoch = newest.epoch + 1 if newest.kind == "epoch" else newest.epoch
+        step = f", global step {newest.global_train_step}" if newest.kind == "step" else ""
+        return f"will resume from {newest.name}, epoch {epoch}{step}"
+
     def __repr__(self) -> str:
         p = self.engine.progress
+        plan = self.resume_plan
+        if plan is not None:
+            return f"<kit.Session {self.status}: {plan}>"
         return (f"<kit.Session {self.status}: epoch {p.epoch}/{self.final_epoch}, "
                 f"step {p.step_in_epoch}, global step {p.global_train_step}>")
 

@@ -21,6 +21,7 @@ from kit.engine.memory import MemoryFigures
 from kit.engine.step import StepResult
 
 if TYPE_CHECKING:
+    from kit.errors import NonFiniteLossError
     from kit.events import Events
 
 COLUMNS = ["global_train_step", "epoch", "step", "learning_rate", "seconds", "num_seqs"]
@@ -42,6 +43,12 @@ class History:
 
     def subscribe(self, events: Events) -> None:
         events.on("step_end", self.on_step_end)
+        events.on("nonfinite", self.on_nonfinite)
+
+    def on_nonfinite(self, error: NonFiniteLossError, **_: Any) -> None:
+        """The guard rewinds to before the bad step: it and every step after it leave the history."""
+        if error.global_train_step is not None:
+            self.truncate_after(error.global_train_step)
 
     def on_step_end(self, result: StepResult, **_: Any) -> None:
         if result.global_train_step % self.stride:

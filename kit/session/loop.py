@@ -36,6 +36,9 @@ class Paused:
     step: int
     reason: str
     paused: bool = True
+    goal: str = "train"  # what the paused call was doing: "train", "epoch" or "steps"
+    steps_left: int = 0  # with goal "steps": how many of its steps it had still to do
+    mode: str = "blocking"  # how it ran: "blocking" (train_*), "awaitable" (train_*_async) or "background"
 
     def __str__(self) -> str:
         return (
@@ -70,6 +73,8 @@ class LoopDriver:
         self.thread: threading.Thread | None = None
         self.background: dict[str, Any] = {}
         self.yield_every_secs = 0.05  # async variants yield to the kernel at most this often
+        self.mode = "blocking"  # how the current call runs: "blocking", "awaitable" or "background"
+        self.paused_goal: tuple[str, int] = ("train", 0)  # (goal, steps it had left) of the call that paused
 
     # ---- goals ---------------------------------------------------------------------------
 
@@ -94,6 +99,7 @@ class LoopDriver:
                 if goal == "steps" and steps >= n:
                     return last
             if self.guard.requested and not session.engine.all_trained:
+                self.paused_goal = (goal, max(n - steps, 0))
                 return _PAUSED
             yield
 
@@ -110,6 +116,7 @@ class LoopDriver:
         self.guard.clear()
         with self.guard.held():
             self.prepare(live, allow_finished)
+            self.mode = "blocking"
             with self.session.engine.loop.driven(goal) as outcome:
                 return self.finish(self.drive_all(units), outcome)
 
@@ -120,11 +127,13 @@ class LoopDriver:
         self.guard.clear()
         with self.guard.held():
             self.prepare(live, allow_finished)
+            self.mode = "awaitable"
             with self.session.engine.loop.driven(goal) as outcome:
                 gen = units()
                 while True:
                     deadline = time.monotonic() + self.yield_every_secs
-                    with self.session.entered(), self.errors_tracked():
+                    # the guard's flag is read as each slice ends (deferred mode), inside the error tracking
+                    with self.session.entered(), self.errors_tracked(), self.session.engine.guard.deferred_reads():
                         done, result = _advance(gen, deadline)
                     if done:
                         return self.finish(result, outcome)
@@ -136,6 +145,7 @@ class LoopDriver:
         self.guard.clear()
         self.prepare(live, allow_finished=goal == "train")
         self.background = {}
+        self.mode = "background"
 
         def target() -> None:
             try:
@@ -161,7 +171,7 @@ class LoopDriver:
         return outcome.get("result")
 
     def drive_all(self, units: Callable[[], Units]) -> Any:
-        with self.session.entered(), self.errors_tracked():
+        with self.session.entered(), self.errors_tracked(), self.session.engine.guard.deferred_reads():
             return _advance(units(), None)[1]
 
     def prepare(self, live: bool | None, allow_finished: bool) -> None:
@@ -176,8 +186,11 @@ class LoopDriver:
                 f"all {engine.final_epoch} epochs are trained; "
                 "call session.extend(num_epochs) or session.train(num_epochs) to train more"
             )
-        if live if live is not None else session.live:
+        want = live if live is not None else session.live
+        if want:
             session.show_dashboard()
+        elif want is None:
+            session.show_progress()
         session.lifecycle.set(Status.RUNNING)
 
     @contextlib.contextmanager
@@ -200,6 +213,7 @@ class LoopDriver:
             raise
         except BaseException as exc:
             self.session.lifecycle.failed(exc)
+            self.session.end_progress(self.session.status)
             raise
 
     def finish(self, result: Any, outcome: RunOutcome) -> Any:
@@ -214,16 +228,21 @@ class LoopDriver:
             self.guard.clear()
         if state.status is Status.RUNNING:
             state.set(Status.READY)
+        self.session.end_progress("finished" if state.status is Status.FINISHED else "done")
         return result
 
     def paused(self) -> Paused:
         session = self.session
         p = session.engine.progress
-        paused = Paused(p.epoch, p.step_in_epoch, self.guard.reason or "pause requested")
+        goal, left = self.paused_goal
+        paused = Paused(p.epoch, p.step_in_epoch, self.guard.reason or "pause requested", goal=goal,
+                        steps_left=left, mode=self.mode)
         self.guard.clear()
         session.lifecycle.set(Status.PAUSED)
-        logger.warning("%s", paused)
+        # the call returns the note (the cell's result): on stderr too it would show twice, as an error
+        logger.info("%s", paused)
         session.events.emit("interrupt", status=paused)
+        session.end_progress(f"paused at epoch {paused.epoch}, step {paused.step}")
         return paused
 
     # ---- the final epoch -----------------------------------------------------------------
@@ -254,4 +273,3 @@ def check_n(n: int) -> int:
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"train_steps(n): n must be an int >= 1, got {n!r}")
     return n
-

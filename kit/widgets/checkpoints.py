@@ -2,9 +2,11 @@
 
 A list of the checkpoints with their scores (incomplete and corrupt files marked as such);
 selecting one shows its scores, parameter statistics and the difference to the current
-model; buttons load it for inspection, restore the training state from it, export its
-weights as safetensors, or delete it (after a confirmation). Incomplete or corrupt
-checkpoints cannot be loaded, restored or exported.
+model; buttons load it for inspection, restore the training state from it (after a
+confirmation: it rewinds the whole run), export its weights as safetensors, or delete it
+(after a confirmation). After every action the list, the details and the difference to the
+current model are read again, and the message line shows that action's outcome only.
+Incomplete or corrupt checkpoints cannot be loaded, restored or exported.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class CheckpointWidget:
         self.browser = browser
         self.mode = "text" if (mode or default_mode()) == "text" else "widget"
         self.rows: list[dict[str, Any]] = []
+        self.pending: str | None = None  # the action ("restore" / "delete") waiting for its confirmation
         self.score_keys: list[str] = []
         self.selected: str | None = None
         self.best: str | None = None  # the usable checkpoint with the lowest first score (dev first)
@@ -78,7 +81,7 @@ class CheckpointWidget:
         self.confirm_text = w.HTML()
         self.confirm_yes = w.Button(description="Yes, delete", button_style="danger")
         self.confirm_no = w.Button(description="Cancel")
-        self.confirm_yes.on_click(lambda _b: self._safely(self._on_confirm_delete))
+        self.confirm_yes.on_click(lambda _b: self._safely(self._on_confirm))
         self.confirm_no.on_click(lambda _b: self._safely(self._hide_confirm))
         self.confirm = w.HBox(
             [self.confirm_text, self.confirm_yes, self.confirm_no], layout=w.Layout(display="none")
@@ -101,7 +104,10 @@ class CheckpointWidget:
         self.widget.add_class("kit-checkpoints")
 
     def _safely(self, fn: Any, *args: Any) -> None:
-        """Run a button action; its error (and what it printed) goes to the message line."""
+        """Run a button action; its error (and what it printed) goes to the message line, which
+        first forgets the previous action's message."""
+        if self.mode == "widget":
+            self.message.value = ""
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out):
@@ -121,7 +127,7 @@ class CheckpointWidget:
 
     def refresh(self) -> None:
         """Read the checkpoint files again."""
-        frame = self.browser.table
+        frame = self.browser.table_all
         self.rows = frame.to_dict("records") if len(frame) else []
         self.score_keys = _score_keys(list(frame.columns))
         usable = [
@@ -247,34 +253,55 @@ class CheckpointWidget:
 
     def _on_load(self) -> None:
         ckpt = self.browser.load(self._require_selection())
+        self.refresh()  # the current model changed: the differences too
         self._say(
             f"loaded the weights of {ckpt.name} for inspection (training state untouched); "
             "Restore continues training from a checkpoint, session.reload_latest() goes back"
         )
 
     def _on_restore(self) -> None:
-        ckpt = self.browser.restore(self._require_selection())
+        name = self._require_selection()
+        self._ask("restore", f"Restore the training state of <b>{html.escape(name)}</b>? Weights, optimizer, "
+                  "position, RNG and the score table go back to that checkpoint; later scores are dropped.")
+
+    def _restore(self, name: str) -> None:
+        ckpt = self.browser.restore(name)
+        self.refresh()
         self._say(f"restored the training state of {ckpt.name}: the next train_* call continues from there")
 
     def _on_export(self) -> None:
         path = self.browser.export_safetensors(self._require_selection())
+        self.refresh()
         self._say(f"wrote {path}")
 
     def _on_delete(self) -> None:
         name = self._require_selection()
-        self.confirm_text.value = f"Delete <b>{html.escape(name)}</b> and its files? This cannot be undone."
+        self._ask("delete", f"Delete <b>{html.escape(name)}</b> and its files? This cannot be undone.")
+
+    def _ask(self, action: str, question: str) -> None:
+        self.pending = action
+        self.confirm_text.value = question
+        self.confirm_yes.description = f"Yes, {action}"
         self.confirm.layout.display = "flex"
 
     def _hide_confirm(self) -> None:
+        self.pending = None
         if self.mode == "widget":
             self.confirm.layout.display = "none"
 
-    def _on_confirm_delete(self) -> None:
-        name = self._require_selection()
+    def _on_confirm(self) -> None:
+        name, action = self._require_selection(), self.pending
         self._hide_confirm()
-        self.browser.delete(name)
-        self.selected = None
-        self.refresh()
+        if action == "restore":
+            self._restore(name)
+        elif action == "delete":
+            self._delete(name)
+
+    def _delete(self, name: str) -> None:
+        try:
+            self.browser.delete(name)
+        finally:  # also when it was refused: the list and details as they are now
+            self.refresh()
         self._say(f"deleted {name}")
 
     def _on_refresh(self) -> None:

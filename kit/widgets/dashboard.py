@@ -6,8 +6,9 @@
 
 Three renderings, chosen once per dashboard (``mode``):
 
-- ``"widget"`` (in a Jupyter kernel): an ipywidgets view — progress line, status line with a
-  Pause button, one PNG image (losses, epoch scores, learning rate, memory) replaced in
+- ``"widget"`` (in a Jupyter kernel): an ipywidgets view — progress line, status line with
+  Pause and Resume buttons, one PNG image (losses and error rates per step, scores per epoch,
+  learning rate, memory) replaced in
   place, and a memory line. Redraws are throttled by wall time; the picture additionally
   takes at most ``plot_budget`` of the wall time: after a first burst of frames (``plot_burst``
   seconds of drawing, for quick feedback), at the default 0.5 %, a frame that only redraws
@@ -25,6 +26,11 @@ while a cell awaits. So Pause works with ``await session.train_*_async()`` and w
 ``session.train_in_background()``; the dashboard says so when a blocking ``train_*``
 call keeps the kernel busy (an interrupt — Ctrl-C, or the ■ button — always works).
 
+Resume: after a pause, continues the paused call's goal in the mode it ran in — in the
+background again, or as an awaitable run on the kernel's event loop (``resume_task``).
+A blocking call cannot be restarted from a button (it would hold the kernel with no cell
+to interrupt); then Resume is disabled and the note says how to continue.
+
 The dashboard never raises into training: an error in one of its views is logged once
 and the dashboard detaches itself; training goes on unchanged.
 """
@@ -35,7 +41,6 @@ import asyncio
 import base64
 import html
 import logging
-import math
 import os
 import sys
 import threading
@@ -43,6 +48,8 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from kit.session.lifecycle import Status
+from kit.widgets.controls import REACH_NOTES, RunControls
+from kit.widgets.formatting import format_losses, format_scores, memory_text, progress_text
 from kit.widgets.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -54,16 +61,6 @@ EVENTS = ("run_begin", "step_end", "epoch_end", "interrupt", "exception", "check
 MODES = ("widget", "terminal", "text")
 ISOLATED_GAP_SECS = 0.5  # a run starting later than this after the last one ended stands alone
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
-
-_REACH_NOTES = {
-    "responsive": "Pause stops training at the next step boundary; the next train_* call continues.",
-    "background": "Training runs in the background: Pause stops it at the next step boundary; "
-    "session.wait() returns its result.",
-    "blocking": "This cell blocks the kernel, so the Pause button cannot reach it. Interrupt the kernel "
-    "(■ or Ctrl-C) to stop at the next step boundary; for a working Pause button train with "
-    "<code>await session.train_epoch_async()</code> or <code>session.train_in_background()</code>.",
-}
-
 
 def default_mode() -> str:
     """``text`` under the test switch, ``widget`` in a Jupyter kernel, else ``terminal``."""
@@ -90,7 +87,7 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-class Dashboard:
+class Dashboard(RunControls):
     """Live view of a Session (see the module docstring).
 
     Args:
@@ -151,9 +148,11 @@ class Dashboard:
         self._paused: str | None = None
         self._last_checkpoint: str | None = None
         self._train_error: str | None = None
+        self._resumable: Any = None  # the Paused note of the last run, while Resume can continue it
+        self.resume_task: Any = None  # the asyncio task of an awaitable run started by Resume
+        self._displays: list[Any] = []  # one display handle per time this dashboard was shown
         self._figure: Any = None
         self._frame: bytes | None = None
-        self._display: Any = None
         self._terminal: Any = None
         self._prefill()
         if mode == "widget":
@@ -178,6 +177,9 @@ class Dashboard:
         if table is not None:
             for epoch in table.epochs:
                 self.timeline.add_scores(epoch, table.scores(epoch))
+            from kit.scores import split_score_key
+
+            self.timeline.error_names |= {split_score_key(k)[1] for k in table.error_keys}
 
     # ---- the widget -------------------------------------------------------------------
 
@@ -195,6 +197,9 @@ class Dashboard:
             layout=w.Layout(width="auto"),
         )
         self.pause_button.on_click(self._guarded(self._on_pause_click))
+        self.resume_button = w.Button(description="Resume", icon="play", disabled=True,
+                                      tooltip="continue the paused run", layout=w.Layout(width="auto"))
+        self.resume_button.on_click(self._guarded(self._on_resume_click))
         self.progress_line = w.HTML()
         self.note = w.HTML()
         self.image = w.Image(format="png", layout=w.Layout(width="100%", max_width="1200px"))
@@ -202,6 +207,7 @@ class Dashboard:
         for part, name in [
             (self.status_line, "status"),
             (self.pause_button, "pause"),
+            (self.resume_button, "resume"),
             (self.progress_line, "progress"),
             (self.note, "note"),
             (self.image, "loss-plot"),
@@ -210,7 +216,7 @@ class Dashboard:
             part.add_class(f"kit-dashboard-{name}")
         self.widget = w.VBox(
             [
-                w.HBox([self.pause_button, self.status_line]),
+                w.HBox([self.pause_button, self.resume_button, self.status_line]),
                 self.progress_line,
                 self.note,
                 self.image,
@@ -258,11 +264,12 @@ class Dashboard:
         self.timeline.add_scores(epoch, scores)
         if self._terminal is not None:
             self.refresh()
-            self._terminal.line(f"epoch {epoch}: " + _format_scores(self.timeline.scores[epoch]))
+            self._terminal.line(f"epoch {epoch}: " + format_scores(self.timeline.scores[epoch]))
             self._terminal.close()
 
     def _on_interrupt(self, status: Any, **_: Any) -> None:
         self._paused = str(status)
+        self._resumable = status
         if self._terminal is not None:
             self._terminal.line(self._paused)
         if self._running:
@@ -276,21 +283,12 @@ class Dashboard:
     def _on_checkpoint_saved(self, checkpoint: Any, **_: Any) -> None:
         self._last_checkpoint = getattr(checkpoint, "name", str(checkpoint))
 
-    def _on_pause_click(self, _button: Any = None) -> None:
-        if self.session.state is not Status.RUNNING:
-            self.note.value = f"Nothing to pause: the session is {html.escape(self.session.status)}."
-            return
-        self.session.pause()
-        self.pause_button.disabled = True
-        self.pause_button.description = "Pausing…"
-        self.note.value = "Pause requested: training stops at the next step boundary."
-
     # ---- runs ---------------------------------------------------------------------------
 
     def _start_run(self) -> None:
         """A train_* call starts (``run_begin``)."""
         self._running, self._run_id = True, self._run_id + 1
-        self._paused = self._train_error = None
+        self._paused = self._train_error = self._resumable = None
         # a run starts when a cell does: its first frames come soon, whatever earlier runs drew;
         # train calls back to back (a loop in one cell) share the budget instead
         ended = self._run_ended_at
@@ -302,30 +300,6 @@ class Dashboard:
         if self.mode == "widget":
             self.pause_button.disabled, self.pause_button.description = False, "Pause"
             self.widget.remove_class("kit-dashboard-final")
-
-    def _check_reach(self, now: float) -> None:
-        """Does the kernel's event loop run between steps (then a click gets through)?
-
-        A probe is put on the loop; the awaitable train calls yield to it at the first unit
-        boundary after ``session.yield_every_secs``. So when it is still waiting at the end of
-        a step that itself ended well after that (the previous one), nothing yields: blocking.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            self.reach = "background"
-        elif self._loop is None or not self._loop.is_running():
-            self.reach = "blocking"
-        elif self._probe is None:
-            self._probe = (self._run_id, now)
-            self._loop.call_soon(self._probe_returned, self._run_id)
-        elif self._last_step_at - self._probe[1] > max(
-            0.2, 4 * getattr(self.session, "yield_every_secs", 0.05)
-        ):
-            if self.reach != "blocking":
-                self.reach, self._next_refresh = "blocking", 0.0  # say so at once
-
-    def _probe_returned(self, run_id: int) -> None:
-        if run_id == self._run_id and self._running and self.reach != "blocking":
-            self._probe, self.reach = None, "responsive"
 
     def _finish_run(self) -> None:
         """The run ended (paused, finished, failed): last frame, static image in the output.
@@ -341,8 +315,10 @@ class Dashboard:
                 self.pause_button.disabled, self.pause_button.description = False, "Pause"
                 # the last frame is drawn (what a browser test can wait for)
                 self.widget.add_class("kit-dashboard-final")
-            if self._display is not None:
-                self._display.update(self._repr_mimebundle_(), raw=True)
+            if self._displays:
+                bundle = self._repr_mimebundle_()
+                for handle in self._displays:  # every place it is shown gets this dashboard's last frame
+                    handle.update(bundle, raw=True)
             if self._terminal is not None:
                 self._terminal.close()
 
@@ -372,7 +348,7 @@ class Dashboard:
                     num_epochs=self._num_epochs(),
                     step=last["step"] + 1,
                     frac=last["complete_frac"],
-                    postfix=_format_losses(self.timeline),
+                    postfix=format_losses(self.timeline),
                 )
 
     def _update_plot(self) -> None:
@@ -404,10 +380,15 @@ class Dashboard:
         self.status_line.value = f"<b>status: {html.escape(self.status_text())}</b>"
         self.memory_line.value = html.escape(self.memory_text())
         if self._running and self.reach:
-            self.note.value = _REACH_NOTES[self.reach]
+            self.note.value = REACH_NOTES[self.reach]
             self.pause_button.disabled = self.reach == "blocking" or self.pause_button.description != "Pause"
         elif not self._running:
-            self.note.value = ""
+            why = self.resume_blocker() if self._resumable is not None else None
+            self.resume_button.disabled = self._resumable is None or why is not None
+            self.resume_button.tooltip = why or "continue the paused run in the mode it ran in"
+            self.note.value = html.escape(why) if why else ""
+        if self._running:
+            self.resume_button.disabled = True
 
     # ---- text ---------------------------------------------------------------------------
 
@@ -416,22 +397,7 @@ class Dashboard:
 
     def progress_text(self) -> str:
         """epoch, step in epoch, percent, ETA, seconds/step, learning rate, smoothed losses."""
-        last = self.timeline.last
-        if not last:
-            return "no training step yet"
-        parts = [f"epoch {last['epoch']}/{self._num_epochs()}", f"step {last['step'] + 1}"]
-        frac = last["complete_frac"]
-        if frac:
-            parts[-1] += f" of ≈{round((last['step'] + 1) / min(frac, 1.0))}"
-            parts.append(f"{100 * min(frac, 1.0):.0f}%")
-        eta, rate = self.timeline.epoch_eta(), self.timeline.seconds_per_step()
-        if eta is not None and self._running:
-            parts.append(f"ETA epoch {_format_seconds(eta)}")
-        if rate is not None:
-            parts.append(f"{rate:.3g} s/step")
-        parts.append(f"lr {last['learning_rate']:.3g}")
-        losses = _format_losses(self.timeline)
-        return " · ".join(parts + ([losses] if losses else []))
+        return progress_text(self.timeline, self._num_epochs(), running=self._running)
 
     def status_text(self) -> str:
         status = self.session.status
@@ -453,17 +419,7 @@ class Dashboard:
             memory = figures.columns() if figures is not None else {}
         if not memory:
             return "memory: (not set up yet)"
-        if "memory_allocated" in memory:
-            return "GPU memory: " + " · ".join(
-                f"{label} {_format_bytes(memory[key])}"
-                for key, label in [
-                    ("memory_allocated", "allocated"),
-                    ("memory_reserved", "reserved"),
-                    ("memory_peak", "step peak"),
-                ]
-                if key in memory
-            )
-        return f"memory: process RSS {_format_bytes(memory['memory_rss'])}"
+        return memory_text(memory)
 
     def summary(self) -> str:
         """A short deterministic summary (no timings): status, position, losses, last scores."""
@@ -475,12 +431,12 @@ class Dashboard:
             else "no training step yet"
         )
         lines = [f"kit dashboard: {self.session.status}; {where}; {self.timeline.num_steps} steps watched"]
-        losses = _format_losses(self.timeline)
+        losses = format_losses(self.timeline)
         if losses:
             lines.append(f"smoothed losses: {losses}")
         if self.timeline.scores:
             epoch = max(self.timeline.scores)
-            lines.append(f"epoch {epoch}: {_format_scores(self.timeline.scores[epoch])}")
+            lines.append(f"epoch {epoch}: {format_scores(self.timeline.scores[epoch])}")
         return "\n".join(lines)
 
     # ---- display --------------------------------------------------------------------------
@@ -503,7 +459,7 @@ class Dashboard:
 
         handle = display(self._repr_mimebundle_(), raw=True, display_id=self.mode == "widget")
         if self.mode == "widget":
-            self._display = handle
+            self._displays.append(handle)
 
     def __repr__(self) -> str:
         return self.summary()
@@ -532,23 +488,3 @@ class Dashboard:
                 )
         except Exception:  # the view is broken; the log line above says why
             pass
-
-
-def _format_losses(timeline: Timeline) -> str:
-    return " ".join(f"{name} {value:.3g}" for name, value in timeline.latest_losses().items())
-
-
-def _format_scores(scores: dict[str, float]) -> str:
-    keys = [k for k in scores if k != "learning_rate"] or list(scores)
-    return " · ".join(f"{k} {scores[k]:.3g}" for k in keys)
-
-
-def _format_seconds(secs: float) -> str:
-    secs = int(round(secs))
-    return f"{secs // 3600}:{secs // 60 % 60:02d}:{secs % 60:02d}"
-
-
-def _format_bytes(n: float) -> str:
-    if not math.isfinite(n):
-        return "?"
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

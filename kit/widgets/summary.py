@@ -12,14 +12,10 @@ if TYPE_CHECKING:
 def session_html(session: Session) -> str:
     """Device, model size, position, learning rate, last scores and checkpoints of a Session."""
     p = session.progress_snapshot()
-    rows = [
-        ("status", session.status),
-        (
-            "position",
-            f"epoch {p.epoch} of {session.final_epoch}, step {p.step_in_epoch}, "
-            f"global step {p.global_train_step}, {p.num_updates} updates",
-        ),
-    ]
+    plan = session.resume_plan  # before first use: where it will continue, not "epoch 1, step 0"
+    position = plan or (f"epoch {p.epoch} of {session.final_epoch}, step {p.step_in_epoch}, "
+                        f"global step {p.global_train_step}, {p.num_updates} updates")
+    rows = [("status", session.status), ("position", position)]
     if session.num_parameters is not None:
         rows += [
             ("device", str(session.device_if_set_up)),

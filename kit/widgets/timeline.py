@@ -37,8 +37,9 @@ class Timeline:
         self.smoothed: dict[str, list[float]] = {}  # bias-corrected exponential moving average
         self.learning_rates: list[float] = []
         self.memory_steps: list[int] = []
-        self.memory: dict[str, list[float]] = {}  # NaN where a reading lacks the key  # "memory_allocated"/... or "memory_rss" -> bytes
+        self.memory: dict[str, list[float]] = {}  # "memory_allocated"/... or "memory_rss" -> bytes; NaN where a reading lacks the key
         self.scores: dict[int, dict[str, float]] = {}  # epoch -> score row
+        self.error_names: set[str] = set()  # losses marked as_error=True (drawn apart from the others)
         self.num_steps = len(self.history)  # steps seen (not thinned), those before this view included
         self.last: dict[str, Any] = {}  # epoch, step, global_train_step, complete_frac, learning_rate
         self._ema: dict[str, tuple[float, int]] = {}  # name -> (running average, count)
@@ -63,6 +64,9 @@ class Timeline:
             "learning_rate": result.learning_rate,
         }
         self._walls.append((time.monotonic() if now is None else now, result.global_train_step))
+        errors = getattr(result.step_losses, "errors", None)
+        if errors and not errors <= self.error_names:
+            self.error_names |= errors
         if self.owns_history:
             self.history.on_step_end(result)
         if memory:
@@ -98,10 +102,14 @@ class Timeline:
             self._keep({r["global_train_step"] for r in history.rows})
             self._generation = history.generation
         rows, last = history.rows, self.steps[-1] if self.steps else -1
+        # up to the last step this view was told of: a view that stopped following keeps its picture
+        seen = self.last.get("global_train_step", math.inf) if self.last else math.inf
         start = len(rows)
         while start > 0 and rows[start - 1]["global_train_step"] > last:
             start -= 1
         for row in rows[start:]:
+            if row["global_train_step"] > seen:
+                break
             self._append(row)
 
     def _keep(self, steps: set[int]) -> None:

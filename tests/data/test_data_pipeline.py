@@ -55,7 +55,9 @@ def test_batching_invariants(batch_size, max_seqs):
                 )
             )
         assert b.batch_idx == k and b.epoch == 1
-        assert b.complete_frac == pytest.approx((k + 1) / len(out))
+        # RETURNN's complete_frac: the last sequence's position in the epoch's order (+1) / sequences, float32
+        done = sum(len(x.seq_idx) for x in out[: k + 1])
+        assert b.complete_frac == (1.0 if k + 1 == len(out) else float(np.float32(done / len(order))))
 
 
 def test_oversize_sequence_is_its_own_batch():
@@ -112,10 +114,11 @@ def test_chunking_per_key_subset_leaves_other_keys_whole():
     assert b["meta"].lengths.tolist() == [4, 4, 4]
 
 
-def test_no_chunking_in_eval_unless_asked():
+def test_eval_chunks_as_returnn_unless_turned_off():
     ds = ArrayDataset([{"data": np.zeros((25, 1), np.float32)}])
-    assert [b["data"].lengths.tolist() for b in batches(ds, chunking=10, train=False)] == [[25]]
-    (b,) = collect(batches(ds, chunking=10, chunking_in_eval=True, train=False))
+    no_chunks = batches(ds, chunking=10, chunking_in_eval=False, train=False)
+    assert [b["data"].lengths.tolist() for b in no_chunks] == [[25]]
+    (b,) = collect(batches(ds, chunking=10, train=False))  # the config key's default: RETURNN's torch engine
     assert b["data"].lengths.tolist() == [10, 10, 5]
     pipe = Pipeline(ds, chunking=10, train=False)
     assert [b["data"].lengths.tolist() for b in pipe] == [[25]]
@@ -200,7 +203,8 @@ def test_from_config():
     b = next(train)
     assert b.num_seqs <= 4 and b["data"].tensor.shape[1] <= 20
     ev = Pipeline.from_config(ds, cfg, train=False)
-    assert ev.chunking is None and ev.seq_ordering is None
+    assert ev.chunking == 20 and ev.seq_ordering is None  # RETURNN's torch engine chunks eval too
+    assert Pipeline.from_config(ds, cfg.copy().update(chunking_in_eval=False), train=False).chunking is None
     assert Pipeline.from_config(ds, cfg, train=True, max_seqs=2).max_seqs == 2
 
 

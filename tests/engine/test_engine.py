@@ -125,7 +125,8 @@ def test_counters_and_step_results_over_epochs():
     assert engine.progress.num_updates == math.ceil(len(ep1) / 2) + math.ceil(len(ep2) / 2)
     assert sum(r.num_seqs for r in ep1) == 120 and ep1[-1].complete_frac == pytest.approx(1.0)
     assert engine.scores.meta(1)["epoch_num_train_steps"] == len(ep1)
-    assert engine.scores.meta(2)["global_train_step"] == len(results)
+    assert engine.scores.meta(2)["global_train_step"] == len(ep1)  # RETURNN's meaning: the epoch's start
+    assert engine.scores.meta(2)["global_train_step_end"] == len(results)
 
 
 def test_train_step_returns_none_at_the_epoch_end_and_the_epoch_must_be_finished():
@@ -198,7 +199,8 @@ def test_eval_uses_train_step_without_grad_and_train_flag_false():
     assert engine.model.training  # back in train mode for the next step
 
 
-def test_eval_does_not_chunk():
+@pytest.mark.parametrize("in_eval", [True, False])
+def test_eval_chunks_as_returnns_torch_engine_unless_turned_off(in_eval):
     lengths = []
 
     def train_step(*, model, extern_data, **_kwargs):
@@ -206,9 +208,13 @@ def test_eval_does_not_chunk():
         kit.get_run_ctx().mark_as_loss(model(extern_data["data"].tensor).sum(), "s")
 
     dev = Task12AXDataset(6, seed=2)
-    engine = make_engine(train_step=train_step, dev=dev, chunking=5)
+    engine = make_engine(train_step=train_step, dev=dev, chunking=5, **({} if in_eval else {"chunking_in_eval": False}))
     engine.eval_model()
-    assert sorted(lengths) == sorted(dev.get_seq_length(i)["data"] for i in range(6))
+    whole = sorted(dev.get_seq_length(i)["data"] for i in range(6))
+    if in_eval:  # RETURNN's torch engine chunks every loader, eval included (the default)
+        assert max(lengths) <= 5 and sum(lengths) == sum(whole)
+    else:
+        assert sorted(lengths) == whole
     lengths.clear()
     engine.train_step()
     assert max(lengths) <= 5

@@ -101,21 +101,21 @@ def test_no_weight_decay_means_one_group():
     assert len(updater.optimizer.param_groups) == 1
 
 
-def test_weight_decay_excludes_biases_norms_embeddings_each_param_once():
+def test_weight_decay_groups_are_returnns_each_param_once():
+    """RETURNN's default: biases, LayerNorm and Embedding do not decay; BatchNorm weights and other
+    1-d parameters do; each group is sorted by parameter name."""
     model = Tiny()
     updater = make(model, optimizer={"class": "adamw", "weight_decay": 0.01})
     params = [p for g in updater.optimizer.param_groups for p in g["params"]]
     assert len(params) == len({id(p) for p in params}) == len(list(model.parameters()))
-    assert group_of(updater, model.lin.weight)["weight_decay"] == 0.01
-    for p in (
-        model.lin.bias,
-        model.norm.weight,
-        model.norm.bias,
-        model.bn.weight,
-        model.emb.weight,
-        model.gain,
-    ):
+    for p in (model.lin.weight, model.bn.weight, model.gain):
+        assert group_of(updater, p)["weight_decay"] == 0.01
+    for p in (model.lin.bias, model.norm.weight, model.norm.bias, model.emb.weight):
         assert group_of(updater, p)["weight_decay"] == 0.0
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in updater.optimizer.param_groups:
+        group_names = [names[id(p)] for p in group["params"]]
+        assert group_names == sorted(group_names)
 
 
 def test_weight_decay_modules_blacklist_replaces_the_default():
@@ -126,7 +126,7 @@ def test_weight_decay_modules_blacklist_replaces_the_default():
         weight_decay_modules_blacklist=["torch.nn.Linear"],
     )
     assert group_of(updater, model.lin.weight)["weight_decay"] == 0.0
-    assert group_of(updater, model.norm.weight)["weight_decay"] == 0.0  # 1-d: still no decay
+    assert group_of(updater, model.norm.weight)["weight_decay"] == 0.01  # LayerNorm no longer listed
     assert group_of(updater, model.emb.weight)["weight_decay"] == 0.01  # Embedding no longer listed
     assert group_of(updater, model.lin.bias)["weight_decay"] == 0.0
 
@@ -135,11 +135,12 @@ def test_weight_decay_custom_include_check():
     model = Tiny()
     seen = []
 
-    def check(*, module, param_name, param, **kw):
-        seen.append(param_name)
+    def check(*, module, rf_module, full_param_name, param):  # RETURNN's arguments, no **kwargs needed
+        seen.append((id(module), full_param_name))
+        assert rf_module is None  # a plain torch module
         if isinstance(module, torch.nn.LayerNorm):
             return True
-        if param_name == "lin.weight":
+        if isinstance(module, torch.nn.Linear) and full_param_name == "weight":  # RETURNN: the name in the module
             return False
         return None
 
@@ -148,7 +149,7 @@ def test_weight_decay_custom_include_check():
     )
     assert group_of(updater, model.norm.weight)["weight_decay"] == 0.01
     assert group_of(updater, model.lin.weight)["weight_decay"] == 0.0
-    assert group_of(updater, model.bn.weight)["weight_decay"] == 0.0  # None: default rule
+    assert group_of(updater, model.emb.weight)["weight_decay"] == 0.0  # None: default rule
     assert len(seen) == len(set(seen)) == len(list(model.parameters()))
 
 

@@ -59,7 +59,7 @@ def _returnn_read(opts, epoch=1):
 
 
 def _kit_read(opts, epoch=1):
-    ds = make_dataset(dict(opts))
+    ds = make_dataset(dict(opts) if isinstance(opts, dict) else opts)
     ds.init_epoch(epoch)
     return [(ds.get_seq_tag(i), ds.get_seq(i)) for i in ds.get_seq_order(epoch)]
 
@@ -152,3 +152,85 @@ def test_concat_and_static_datasets_equal_returnn():
     static = {"class": "StaticDataset", "data": _seqs(9, 8), "seq_ordering": "laplace:.3", "partition_epoch": 2}
     for epoch in (1, 2, 3):
         _assert_same(_kit_read(static, epoch), _returnn_read(static, epoch))
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {},  # new sequences every epoch
+        {"fixed_random_seed": 3},
+        {"seq_ordering": "random", "partition_epoch": 2},
+        {"seq_ordering": "random:2", "random_seed_offset": 5},
+    ],
+)
+def test_task12ax_sequences_equal_returnn(opts):
+    spec = {"class": "Task12AXDataset", "num_seqs": 12, **opts}
+    for epoch in (1, 2, 3):
+        kit_seqs, returnn_seqs = _kit_read(spec, epoch), _returnn_read(spec, epoch)
+        assert [t for t, _ in kit_seqs] == [t for t, _ in returnn_seqs]
+        for (_, a), (_, b) in zip(kit_seqs, returnn_seqs):
+            assert np.array_equal(a["data"], b["data"]) and np.array_equal(a["classes"], b["classes"])
+
+
+def sub_epoch_hdf(files):
+    return {"class": "HDFDataset", "files": list(files), "seq_ordering": "laplace:.3", "cache_byte_size": 0}
+
+
+@pytest.mark.parametrize("ordering", ["random", "default"])
+def test_distribute_files_dataset_equals_returnn(tmp_path, ordering):
+    files = []
+    for i, n in enumerate([3, 7, 2, 5, 4, 6, 3]):
+        path = tmp_path / f"part{i}.hdf"
+        write_hdf(path, _seqs(n, 10 + i), [f"p{i}-{j}" for j in range(n)])
+        files.append(str(path))
+    opts = {
+        "class": "DistributeFilesDataset",
+        "files": files,
+        "get_sub_epoch_dataset": sub_epoch_hdf,
+        "partition_epoch": 3,
+        "seq_ordering": ordering,
+    }
+    for epoch in range(1, 8):
+        _assert_same(_kit_read(opts, epoch), _returnn_read({**opts, "use_worker_proc": False}, epoch))
+
+
+def test_files_distributed_over_sub_epochs_as_in_returnn():
+    from returnn.datasets.distrib_files import DistributeFilesDataset as ReturnnDFD
+
+    from kit.data.distrib_files import distribute_by_size
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        n = int(rng.integers(1, 25))
+        sizes = [int(s) for s in rng.integers(1, 200, size=n)] if trial % 3 else [5, 5] + [10] * (n % 8)
+        for num_bins in range(1, len(sizes) + 1):
+            names = [f"f{i}" for i in range(len(sizes))]
+            ref = ReturnnDFD._distribute_evenly_by_size(
+                num_bins=num_bins, file_sizes=dict(zip(names, sizes)), files_order=names
+            )
+            assert [[names[i] for i in b] for b in distribute_by_size(sizes, num_bins)] == ref, (sizes, num_bins)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_other_returnn_classes_come_through_returnns_api(workers):
+    """CopyTaskDataset has no kit class: adapted, it gives RETURNN's sequences batch by batch."""
+    import torch
+
+    from kit.data import Pipeline
+    from kit.data.returnn_adapter import ReturnnDataset
+
+    spec = {"class": "CopyTaskDataset", "nsymbols": 5, "minlen": 2, "maxlen": 9, "num_seqs": 14, "seq_ordering": "random"}
+    ds = make_dataset(spec)
+    assert isinstance(ds, ReturnnDataset)
+    pipe = Pipeline(ds, batch_size=30, num_workers=workers)
+    try:
+        for epoch in (1, 2):
+            pipe.set_epoch(epoch)
+            got = [(tag, batch["data"].tensor[row, : int(batch["data"].lengths[row])]) for batch in pipe for row, tag in enumerate(batch.seq_tags)]
+            ref = _returnn_read(spec, epoch)
+            assert [t for t, _ in got] == [t for t, _ in ref]
+            assert all(torch.equal(x, torch.as_tensor(r["data"]).to(x.dtype)) for (_, x), (_, r) in zip(got, ref))
+    finally:
+        pipe.close()
+    obj = rdatasets.init_dataset({**spec, "random_seed_offset": 0})
+    assert [t for t, _ in _kit_read(obj, 3)] == [t for t, _ in _returnn_read(spec, 3)]

@@ -19,7 +19,7 @@ sys.path.insert(0, {tests_dir!r})
 from helpers.models import get_model, train_step, forward_step
 
 extern_data = {{"data": {{"shape": (None, 9)}}, "classes": {{"shape": (None,), "sparse_dim": 2}}}}
-train = {{"class": "Task12AXDataset", "num_seqs": 120, "seed": 1, "seq_ordering": "random"}}
+train = {{"class": "Task12AXDataset", "num_seqs": 120, "seed": 1, "seq_ordering": "random", "random_seed_offset": 8}}  # as tiny_config
 dev = {{"class": "Task12AXDataset", "num_seqs": 30, "seed": 2}}
 batch_size = 600
 max_seqs = 10

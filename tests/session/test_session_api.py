@@ -180,20 +180,16 @@ def test_scores_are_the_score_file(tmp_path):
     prefix = str(tmp_path / "model")
     s = kit.Session(**tiny_config(prefix, num_epochs=2))
     s.train_epoch()
-    pd.testing.assert_frame_equal(s.scores, kit.ScoreTable.load(prefix + ".scores.json").to_pandas())
+    pd.testing.assert_frame_equal(s.scores, kit.ScoreTable.load(prefix + ".scores.json").to_pandas("scores"))
     s.train()
-    frame = s.scores
-    pd.testing.assert_frame_equal(frame, kit.ScoreTable.load(prefix + ".scores.json").to_pandas())
-    assert {
-        "learning_rate",
-        "train_loss_ce",
-        "train_loss_fer",
-        "dev_loss_ce",
-        "dev_loss_fer",
-        "epoch_num_train_steps",
-        "epoch_train_time_secs",
-    } <= set(frame.columns)
-    assert list(frame.index) == [1, 2]
+    frame, meta = s.scores, s.scores_meta
+    full = kit.ScoreTable.load(prefix + ".scores.json").to_pandas()
+    # session.scores: learning rate and scores only; the run's metadata apart; together the whole file
+    assert list(frame.columns) == ["learning_rate", "train_loss_ce", "train_loss_fer", "dev_loss_ce", "dev_loss_fer"]
+    assert {"epoch_num_train_steps", "epoch_train_time_secs", "hostname", "torch_version"} <= set(meta.columns)
+    assert not set(frame.columns) & set(meta.columns)
+    pd.testing.assert_frame_equal(pd.concat([frame, meta], axis=1)[list(full.columns)], full)
+    assert list(frame.index) == [1, 2] and list(meta.index) == [1, 2]
 
 
 # ---- eval and forward ---------------------------------------------------------------------

@@ -51,9 +51,18 @@ def weights_of(prefix: str, epoch: int) -> dict[str, torch.Tensor]:
     return kit.checkpoints.load(f"{prefix}.{epoch:03d}.pt")["model"]
 
 
+def test_table_shows_what_one_chooses_by_and_table_all_the_rest(trained):
+    s, _ = trained
+    t, full = s.checkpoints.table, s.checkpoints.table_all
+    assert list(t.columns[:6]) == ["name", "kind", "epoch", "global_train_step", "complete", "verified"]
+    assert {"train_loss_ce", "dev_loss_ce", "is_best_dev_loss_ce"} <= set(t.columns)
+    assert not {"path", "size_mb", "time", "would_remove"} & set(t.columns)  # no cleanup_old_models set
+    pd.testing.assert_frame_equal(t, full[list(t.columns)])
+
+
 def test_table_lists_checkpoints_with_scores_verification_and_best_flags(trained):
     s, prefix = trained
-    t = s.checkpoints.table
+    t = s.checkpoints.table_all
     assert list(t["name"]) == ["model.001", "model.002", "model.003.step00000041", "model.003"]
     assert list(t["kind"]) == ["epoch", "epoch", "step", "epoch"]
     assert list(t["epoch"]) == [1, 2, 3, 3] and list(t["global_train_step"]) == [19, 38, 41, 57]

@@ -79,10 +79,12 @@ def test_export_load_restore_buttons(trained, tmp_path) -> None:
     widget.buttons["load"].click()
     assert trained.status.startswith("inspecting") and "for inspection" in widget.message.value
     widget.buttons["restore"].click()
+    widget.confirm_yes.click()
     assert trained.status == "ready" and "restored" in widget.message.value
     widget.select_checkpoint("model.001")
     widget.buttons["restore"].disabled = False  # even forced, a corrupt file is refused with a message
     widget.buttons["restore"].click()
+    widget.confirm_yes.click()
     assert "CorruptCheckpointError" in widget.message.value and "does not match" in widget.message.value
     assert trained.status == "ready"
 
@@ -111,3 +113,28 @@ def test_text_mode_table(trained) -> None:
     assert widget.widget is None
     assert set(widget._repr_mimebundle_()) == {"text/plain"}
     assert repr(widget) == widget.text() and len(widget.text().splitlines()) == 4
+
+
+def test_restore_asks_for_confirmation_and_every_action_refreshes_and_clears_the_message(trained, tmp_path) -> None:
+    widget = CheckpointWidget(trained.checkpoints, mode="widget")
+    widget.select_checkpoint("model.003")
+    with torch.no_grad():
+        trained.model.out.bias.add_(1.0)  # the current model moves away from model.003
+    widget.buttons["export"].click()
+    assert "wrote" in widget.message.value
+    assert "L2 difference to the current model 1.414" in widget.details.value  # read again after the action
+    widget.buttons["restore"].click()
+    assert widget.message.value == ""  # the export's message is gone
+    assert widget.confirm.layout.display == "flex" and "model.003" in widget.confirm_text.value
+    assert widget.confirm_yes.description == "Yes, restore"
+    widget.confirm_no.click()
+    assert widget.confirm.layout.display == "none" and trained.model.out.bias.detach().abs().min() > 0.5
+    widget.buttons["restore"].click()
+    widget.confirm_yes.click()
+    assert "restored" in widget.message.value and trained.status == "ready"
+    assert "L2 difference to the current model 0<" in widget.details.value  # restored: no difference left
+    widget.buttons["delete"].click()
+    assert widget.message.value == "" and widget.confirm_yes.description == "Yes, delete"
+    widget.confirm_no.click()
+    widget.buttons["load"].click()
+    assert "for inspection" in widget.message.value and "restored" not in widget.message.value

@@ -225,6 +225,58 @@ def test_pause_in_background_mode() -> None:
     assert dash.status_text().startswith("paused at epoch 1, step 2")
 
 
+def test_resume_continues_a_background_run_in_the_background() -> None:
+    session = kit.Session(tiny_config(num_epochs=1))
+    dash = Dashboard(session, mode="widget")
+    assert dash.resume_button.disabled  # nothing paused yet
+    pause_at_1 = session.on("step_end", lambda result, **_: result.global_train_step == 1 and dash.pause_button.click())
+    session.train_in_background("epoch")
+    paused = session.wait(timeout=120)
+    assert (paused.goal, paused.mode) == ("epoch", "background")
+    dash.refresh()
+    assert not dash.resume_button.disabled and dash.note.value == ""
+    session.events.off("step_end", pause_at_1)
+    dash.resume_button.click()
+    assert dash.resume_button.disabled and "Resumed (background)" in dash.note.value
+    row = session.wait(timeout=120)
+    assert "train_loss_ce" in row and session.epoch == 2  # the epoch the paused call was training, finished
+    assert dash.timeline.num_steps == len(session.history)
+
+
+def test_resume_continues_an_awaitable_run_on_the_event_loop() -> None:
+    session = kit.Session(tiny_config(num_epochs=2))
+    steps = {}
+
+    async def cell() -> None:
+        dash = Dashboard(session, mode="widget")
+        pause = session.on("step_end", lambda result, **_: result.global_train_step == 3 and dash.pause_button.click())
+        session.yield_every_secs = 0.0
+        paused = await session.train_steps_async(10)
+        assert (paused.goal, paused.steps_left, paused.mode) == ("steps", 6, "awaitable")
+        session.events.off("step_end", pause)
+        dash.refresh()
+        assert not dash.resume_button.disabled
+        dash.resume_button.click()  # a click while the kernel's loop runs
+        last = await dash.resume_task
+        steps.update(last=last.global_train_step, total=session.global_train_step)
+
+    asyncio.run(cell())
+    assert steps == {"last": 9, "total": 10}  # the paused train_steps(10) did all its 10 steps
+
+
+def test_resume_is_disabled_after_a_blocking_call_and_says_why() -> None:
+    session = kit.Session(tiny_config())
+    dash = Dashboard(session, mode="widget")
+    session.on("step_end", lambda result, **_: result.global_train_step == 1 and session.pause())
+    paused = session.train_epoch()
+    assert paused.mode == "blocking"
+    assert dash.resume_button.disabled and "blocking train_* call" in dash.note.value
+    assert "blocking" in dash.resume_button.tooltip
+    dash.resume_button.disabled = False  # even forced, it does not start anything
+    dash.resume_button.click()
+    assert session.status == "paused" and "blocking" in dash.note.value
+
+
 def test_says_when_pause_cannot_reach_a_blocking_call() -> None:
     session = kit.Session(tiny_config())
     seen = {}
@@ -295,15 +347,19 @@ def test_display_keeps_the_last_frame_as_static_image(monkeypatch) -> None:
     assert shown[1]["text/plain"].startswith("kit dashboard: paused; epoch 1/3, step 4")
 
 
-def test_session_live_shows_one_dashboard(monkeypatch) -> None:
+def test_session_live_shows_one_dashboard_per_call_each_keeping_its_own_last_frame(monkeypatch) -> None:
     import IPython.display
 
     shown = []
     monkeypatch.setattr(IPython.display, "display", lambda obj, **kw: shown.append(obj))
     session = kit.Session(tiny_config(), live=True)
     session.train_steps(1)
+    first_summary = shown[0].summary()
     session.train_steps(1)
-    assert len(shown) == 2 and shown[0] is shown[1] and isinstance(shown[0], Dashboard)
+    assert len(shown) == 2 and all(isinstance(d, Dashboard) for d in shown)
+    assert shown[0] is not shown[1] and shown[0].detached and not shown[1].detached
+    assert shown[0].summary() == first_summary  # the first cell's dashboard stays at its own run's end
+    assert "step 2" in shown[1].summary()
     assert len(dashboard_handlers(session, "step_end")) == 1
     assert isinstance(session.dashboard(), Dashboard)
 

@@ -12,17 +12,23 @@ import pytest
 pytest.importorskip("matplotlib")
 from PIL import Image  # noqa: E402
 
-from kit.widgets.plots import PANELS, DashboardFigure  # noqa: E402
+from kit.widgets.plots import ERRORS, LOSSES, PANELS, SCORE_ERRORS, SCORES, DashboardFigure  # noqa: E402
 
 
-def timeline(n: int, *, scores: int = 0, loss=lambda g: 2.0 * math.exp(-g / 50) + 0.1):
+def timeline(n: int, *, scores: int = 0, loss=lambda g: 2.0 * math.exp(-g / 50) + 0.1, errors: bool = False):
     steps = list(range(n))
     ce = [loss(g) for g in steps]
+    fer = [0.1 + 0.05 * math.exp(-g / 30) for g in steps]
+    rows = {e: {"train_loss_ce": 1.0 / e, "dev_loss_ce": 1.2 / e} for e in range(1, scores + 1)}
+    if errors:
+        for e, row in rows.items():
+            row.update(train_loss_fer=0.2 / e, dev_loss_fer=0.25 / e)
     return SimpleNamespace(
         steps=steps,
-        losses={"ce": ce},
-        smoothed={"ce": ce},
-        scores={e: {"train_loss_ce": 1.0 / e, "dev_loss_ce": 1.2 / e} for e in range(1, scores + 1)},
+        losses={"ce": ce, **({"fer": fer} if errors else {})},
+        smoothed={"ce": ce, **({"fer": fer} if errors else {})},
+        error_names={"fer"} if errors else set(),
+        scores=rows,
         learning_rates=[1e-3] * n,
         memory={"memory_rss": [(100 + 2 * (1 - math.exp(-g / 20))) * 2**20 for g in steps]},  # settles
         memory_steps=steps,
@@ -38,9 +44,9 @@ def test_frames_blit_while_the_data_fit_and_redraw_when_they_outgrow_the_axes() 
     first = fig.render(timeline(100))
     assert fig.num_full_draws == 1 and first.startswith(b"\x89PNG")
     limits = fig.axes[PANELS[0]].get_xlim()
-    assert limits[1] >= 140  # room to grow before the next full draw
+    assert 105 <= limits[1] <= 99 * 1.1 + 1  # a little room to grow before the next full draw, no more
 
-    grown = fig.render(timeline(130))  # still inside the limits: lines only
+    grown = fig.render(timeline(106))  # still inside the limits: lines only
     assert fig.num_full_draws == 1 and fig.axes[PANELS[0]].get_xlim() == limits
     assert not np.array_equal(pixels(first), pixels(grown))  # the new steps are drawn
 
@@ -53,12 +59,12 @@ def test_frames_blit_while_the_data_fit_and_redraw_when_they_outgrow_the_axes() 
 def test_a_blitted_frame_equals_a_full_draw_of_the_same_data() -> None:
     blitted, full = DashboardFigure(), DashboardFigure()
     blitted.render(timeline(100))
-    frame = blitted.render(timeline(120))
+    frame = blitted.render(timeline(106))
     assert blitted.num_full_draws == 1
     full.render(timeline(100))  # same limits, then a forced full draw with the newer data
     full._background = None
     full._update_limits = lambda panel, force: False  # keep the limits the first frame chose
-    reference = full.render(timeline(120))
+    reference = full.render(timeline(106))
     assert full.num_full_draws == 2
     assert np.array_equal(pixels(frame), pixels(reference))
 
@@ -79,5 +85,25 @@ def test_non_finite_losses_and_a_new_legend_entry() -> None:
     draws = fig.num_full_draws
     fig.render(timeline(50, scores=1))  # the scores panel gets its lines and legend
     assert fig.num_full_draws == draws + 1
-    x_lo, x_hi = fig.axes[PANELS[1]].get_xlim()
-    assert x_lo == 0 and x_hi == 2  # one epoch: whole epochs either side
+    x_lo, x_hi = fig.axes[SCORES].get_xlim()
+    assert (x_lo, x_hi) == (0.75, 1.25)  # one epoch: a quarter epoch either side
+    assert [t for t in fig.axes[SCORES].get_xticks() if x_lo <= t <= x_hi] == [1]  # whole epochs only
+
+
+def test_losses_and_error_rates_on_their_own_axes_with_readable_legends_and_placeholders() -> None:
+    fig = DashboardFigure()
+    fig.render(timeline(0))
+    for panel in PANELS:
+        assert fig._placeholders[panel].get_visible()  # every panel says what will appear
+    assert fig._placeholders[SCORES].get_text() == "scores appear after epoch 1"
+    fig.render(timeline(80, scores=2, errors=True))
+    labels = {p: [ln.get_label() for ln in fig.axes[p].get_lines() if not ln.get_label().startswith("_")]
+              for p in PANELS}
+    assert labels[LOSSES] == ["ce"] and labels[ERRORS] == ["fer"]
+    assert set(labels[SCORES]) == {"train_loss_ce", "dev_loss_ce"}
+    assert set(labels[SCORE_ERRORS]) == {"train_loss_fer", "dev_loss_fer"}
+    assert not any(fig._placeholders[p].get_visible() for p in (LOSSES, ERRORS, SCORES, SCORE_ERRORS))
+    y_lo, y_hi = fig.axes[ERRORS].get_ylim()
+    assert 0.09 < y_lo and y_hi < 0.16  # fitted to the error rates alone, not to the 2.0 loss
+    for panel in (LOSSES, ERRORS, SCORES, SCORE_ERRORS):
+        assert all(t.get_fontsize() >= 9 for t in fig.axes[panel].get_legend().get_texts())

@@ -1,0 +1,263 @@
+"""kit on a CUDA GPU: bf16 throughput, host syncs per step, memory figures, a real OOM split.
+
+Run: ``python benchmarks/gpu_check.py`` (well under 3 minutes on one H200). Without CUDA it
+says so and exits cleanly (``--dry-run`` runs the throughput and OOM-split checks on the CPU,
+with a simulated OOM, to test the script itself). Prints one table:
+
+1. **bf16 autocast throughput**: the Transformer of ``end_to_end.py`` (wider batches) through
+   ``Session.train_steps`` with ``torch_amp="bfloat16"``, interleaved with a hand-written
+   loop under ``torch.autocast(bfloat16)`` over the same pre-collated batches on the GPU;
+   wall time with a ``torch.cuda.synchronize()`` at the end of every turn, median ratio.
+2. **host syncs per step**: kit steps under ``torch.cuda.set_sync_debug_mode("warn")``,
+   counted per step, guard on (defaults) and guard off; then the same steps under
+   ``"error"`` with the guard on, which must pass (0 syncs).
+3. **memory figures**: what the dashboard shows (``kit.widgets.timeline.memory_now``) against
+   ``torch.cuda.memory_stats()`` read at the same moment: allocated, reserved, peak.
+4. **OOM split**: ``Session.forward`` of a batch whose forward really runs out of device
+   memory (it allocates a third of the free memory per sequence); with
+   ``forward_auto_split_batch_on_oom`` the batch is split until it fits, and the outputs
+   equal those of a model that does not allocate.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import end_to_end as e  # noqa: E402  (the shared workloads)
+
+import kit  # noqa: E402
+
+ROWS: list[tuple[str, str, str]] = []  # (check, result, verdict)
+DEVICE = "cuda"  # "cpu" in a --dry-run: the checks' own logic, without a GPU
+
+
+def row(check: str, result: str, ok: bool | None = None) -> None:
+    ROWS.append((check, result, "" if ok is None else ("ok" if ok else "FAILED")))
+
+
+def gpu_workload() -> e.Workload:
+    w = copy.copy(e.WORKLOADS["transformer"])
+    w.max_seqs, w.num_seqs = 64, 64 * 12  # enough work per step for a GPU
+    return w
+
+
+def session(model: torch.nn.Module, w: e.Workload, **overrides: Any) -> kit.Session:
+    opts = {
+        "get_model": lambda **_: model, "train_step": e.kit_train_step, "train": e.ArrayDataset(e.make_seqs(w)),
+        "extern_data": e.extern_data(w), "batch_size": 10**9, "max_seqs": w.max_seqs,
+        "optimizer": {"class": "adamw"}, "learning_rate": 1e-3, "num_epochs": 10**6, "device": DEVICE,
+    }
+    opts.update(overrides)
+    return kit.Session(**opts)
+
+
+class CudaLoop(e.HandLoop):
+    """The hand-written loop on the GPU under bf16 autocast, batches already on the device."""
+
+    def run(self, steps: int) -> None:
+        model, opt = self.model, self.opt
+        for _ in range(steps):
+            x, y, mask = next(self.batches)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                ce = e.frame_ce(model, x, y, mask)
+            loss = torch.where(mask, ce.float(), 0).sum()
+            loss.backward()
+            opt.step()
+            self.loss_sum += loss.detach().double()
+            self.frames += mask.sum()
+
+
+def check_throughput(w: e.Workload, rounds: int = 15, turn: int = 8) -> None:
+    seqs = e.make_seqs(w)
+    plan = e.plan_indices(seqs, w)
+    torch.manual_seed(0)
+    base = w.make_model()
+    ready = [tuple(t.to(DEVICE) for t in b) for b in itertools_take(e.precollated(seqs, plan), len(plan))]
+    loop = CudaLoop(copy.deepcopy(base).to(DEVICE), iter_cycle(ready))
+    loop.loss_sum, loop.frames = loop.loss_sum.to(DEVICE), loop.frames.to(DEVICE)
+    sess = session(copy.deepcopy(base).to(DEVICE), w, torch_amp="bfloat16")
+
+    def timed(fn: Any) -> float:
+        synchronize()
+        t = time.perf_counter()
+        fn()
+        synchronize()
+        return time.perf_counter() - t
+
+    loop.run(3)
+    sess.train_steps(3)
+    ratios, per_step = [], []
+    for r in range(rounds):  # who goes first alternates
+        if r % 2 == 0:
+            a = timed(lambda: loop.run(turn))
+            b = timed(lambda: sess.train_steps(turn))
+        else:
+            b = timed(lambda: sess.train_steps(turn))
+            a = timed(lambda: loop.run(turn))
+        ratios.append(b / a)
+        per_step.append(a / turn)
+    med = statistics.median(ratios)
+    row("bf16 step, kit / hand loop", f"{med:.3f}x (loop {statistics.median(per_step) * 1e3:.2f} ms/step, "
+        f"{w.max_seqs} seqs of {w.min_len}-{w.max_len} frames)", med <= 1.05 if DEVICE == "cuda" else None)
+    sess.close()
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def itertools_take(it: Any, n: int) -> list[Any]:
+    return [next(it) for _ in range(n)]
+
+
+def iter_cycle(items: list[Any]) -> Any:
+    while True:
+        yield from items
+
+
+def syncs_per_step(sess: kit.Session, steps: int) -> float:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            sess.train_steps(steps)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(c.message) for c in caught) / steps
+
+
+def check_syncs(w: e.Workload, steps: int = 20) -> None:
+    torch.manual_seed(0)
+    base = w.make_model()
+    for guard in (True, False):
+        sess = session(copy.deepcopy(base).cuda(), w, **({} if guard else {"stop_on_nonfinite_train_score": False}))
+        sess.train_steps(3)  # set-up and the epoch's plan happen outside the count
+        n = syncs_per_step(sess, steps)
+        row(f"host syncs per step, guard {'on' if guard else 'off'}", f"{n:g}", n == 0 if guard else None)
+        if guard:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                sess.train_steps(steps)
+                row('train_steps under set_sync_debug_mode("error"), guard on', "passed", True)
+            except RuntimeError as exc:
+                row('train_steps under set_sync_debug_mode("error"), guard on', f"raised: {str(exc)[:80]}", False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        sess.close()
+
+
+def check_memory(w: e.Workload) -> None:
+    from kit.widgets.timeline import memory_now
+
+    torch.manual_seed(0)
+    sess = session(w.make_model().cuda(), w)
+    sess.train_steps(5)
+    torch.cuda.synchronize()
+    shown, stats = memory_now(sess.device), torch.cuda.memory_stats(sess.device)
+    pairs = [("memory_allocated", "allocated_bytes.all.current"), ("memory_reserved", "reserved_bytes.all.current"),
+             ("memory_peak", "allocated_bytes.all.peak")]
+    for ours, theirs in pairs:
+        got, want = shown.get(ours), stats.get(theirs)
+        row(f"dashboard {ours} vs memory_stats {theirs}", f"{got} vs {want}", got == want)
+    sess.close()
+
+
+class Hog(torch.nn.Module):
+    """Per frame 40 → 10, after allocating ``per_seq`` bytes for every sequence of the batch."""
+
+    def __init__(self, per_seq: int):
+        super().__init__()
+        self.lin, self.per_seq, self.ooms = torch.nn.Linear(40, 10), per_seq, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.per_seq:
+            if x.device.type != "cuda":  # a dry run: the OOM the allocation would give on a GPU of 1 GiB
+                if x.shape[0] * self.per_seq > 2**30:
+                    self.ooms += 1
+                    raise torch.cuda.OutOfMemoryError("dry run: simulated CUDA out of memory")
+            else:
+                try:
+                    hog = torch.empty(x.shape[0] * self.per_seq, dtype=torch.uint8, device=x.device)
+                except torch.cuda.OutOfMemoryError:
+                    self.ooms += 1
+                    raise
+                del hog
+        return self.lin(x)
+
+
+def forward_step(*, model: torch.nn.Module, extern_data: kit.Batch, **_: Any) -> None:
+    kit.get_run_ctx().mark_as_output(model(extern_data["data"].tensor), "logits")
+
+
+def check_oom_split() -> None:
+    free = torch.cuda.mem_get_info()[0] if DEVICE == "cuda" else 2**30
+    rng = np.random.default_rng(0)
+    seqs = [{"data": rng.standard_normal((int(t), 40), dtype=np.float32)} for t in rng.integers(5, 20, 16)]
+    data = e.ArrayDataset(seqs)
+    outs, ooms = {}, 0
+    for name, per_seq in (("plain", 0), ("hog", free // 3)):
+        torch.manual_seed(0)
+        model = Hog(per_seq)
+        sess = kit.Session(get_model=lambda model=model, **_: model, forward_step=forward_step,
+                           extern_data={"data": {"shape": (None, 40)}}, batch_size=10**9, max_seqs=16, device=DEVICE)
+        try:
+            outs[name] = sess.forward(data)
+        except torch.cuda.OutOfMemoryError as exc:
+            row("forward OOM split", f"not split: {str(exc)[:80]}", False)
+            return
+        finally:
+            sess.close()
+        ooms = model.ooms
+    same = all(np.array_equal(outs["plain"][t]["logits"], outs["hog"][t]["logits"]) for t in outs["plain"])
+    row("forward OOM split (16 seqs, a third of the free memory each)",
+        f"{ooms} OOMs split, {len(outs['hog'])} seqs out, outputs {'equal' if same else 'DIFFER'}",
+        same and len(outs["hog"]) == 16 and ooms > 0)
+
+
+def main() -> int:
+    global DEVICE
+    dry_run = "--dry-run" in sys.argv[1:]
+    if not torch.cuda.is_available() and not dry_run:
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing to check. "
+              "(--dry-run runs the throughput and OOM-split checks on the CPU, to test the script itself.)")
+        return 0
+    w = gpu_workload()
+    checks = [check_throughput, check_syncs, check_memory]
+    if dry_run:
+        DEVICE, checks = "cpu", [check_throughput]
+        w.max_seqs, w.num_seqs = 4, 4 * 4
+        torch.set_num_threads(1)
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    t0 = time.perf_counter()
+    for check in checks:
+        try:
+            check(w)
+        except Exception as exc:  # one failing check must not hide the others
+            row(check.__name__, f"error: {type(exc).__name__}: {str(exc)[:100]}", False)
+    try:
+        check_oom_split()
+    except Exception as exc:
+        row("check_oom_split", f"error: {type(exc).__name__}: {str(exc)[:100]}", False)
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU dry run (figures mean nothing)"
+    print(f"{where}, torch {torch.__version__}, {time.perf_counter() - t0:.0f}s")
+    width = max(len(c) for c, _, _ in ROWS)
+    for check, result, verdict in ROWS:
+        print(f"  {check:<{width}}  {result}  {verdict}")
+    return 1 if any(v == "FAILED" for _, _, v in ROWS) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

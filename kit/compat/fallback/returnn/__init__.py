@@ -1,0 +1,6 @@
+"""kit's stand-in for the ``returnn`` package, importable only while kit loads or runs a RETURNN config
+and RETURNN itself is not installed (see :mod:`kit.compat.imports`)."""
+
+__version__ = "0+kit.compat"
+__long_version__ = __version__
+KIT_FALLBACK = True

@@ -1,0 +1,7 @@
+"""``returnn.frontend`` as far as pure-torch configs use it: the run context (kit's, in RETURNN's forms)."""
+
+from kit.compat.run_ctx import ReturnnRunCtx as RunCtx
+from kit.compat.run_ctx import get_run_ctx
+from kit.compat.tensor import Dim, Tensor, TensorDict, batch_dim
+
+__all__ = ["Dim", "RunCtx", "Tensor", "TensorDict", "batch_dim", "get_run_ctx"]

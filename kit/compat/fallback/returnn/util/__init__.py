@@ -1,0 +1,1 @@
+"""``returnn.util``: only ``basic`` is provided."""

@@ -1,0 +1,247 @@
+"""Every config key RETURNN's PyTorch engine reads, and what kit does with it.
+
+Statuses:
+
+- ``kit``: a kit key with RETURNN's meaning (see docs/config.md);
+- ``translated``: rewritten at the config boundary into kit's keys with RETURNN's meaning
+  (``batching``, ``max_seqs=-1``);
+- ``no effect``: nothing to do in kit (TensorFlow-only switches, ``backend="torch"``), accepted quietly
+  when the value is RETURNN's default or the one kit implies, else treated as unsupported;
+- ``unsupported``: named in one warning when a config sets it, then ignored;
+- ``replaced``: an error that names kit's replacement.
+
+``docs/returnn_keys.md`` is generated from this table (``python -m kit._config_docs``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kit.config.keys import KEYS
+
+logger = logging.getLogger("kit")
+
+
+@dataclass(frozen=True)
+class ReturnnKey:
+    name: str
+    status: str  # "kit" | "translated" | "no effect" | "unsupported"
+    note: str = ""
+    quiet_values: tuple[Any, ...] = ()  # "no effect" keys: values that need no warning
+
+
+def _u(name: str, note: str = "") -> ReturnnKey:
+    return ReturnnKey(name, "unsupported", note)
+
+
+def _n(name: str, note: str, *quiet: Any) -> ReturnnKey:
+    return ReturnnKey(name, "no effect", note, quiet)
+
+
+def _t(name: str, note: str) -> ReturnnKey:
+    return ReturnnKey(name, "translated", note)
+
+
+# The keys RETURNN 1.20261022 reads on its torch path (returnn/__main__.py, returnn/torch/, the
+# learning-rate control, the dataset defaults) that are not kit keys of the same name.
+_OTHER: list[ReturnnKey] = [
+    _t("batching", "the train dataset dict's seq_ordering when it sets none (RETURNN's meaning); for a dataset object, kit's seq_ordering"),
+    _t("max_seqs", "-1 (RETURNN: no limit) becomes None; other values are kit's key"),
+    ReturnnKey("debug_shell_before_train_loop", "replaced", "an error that points to debug_hook (a shell cannot run in a notebook)"),
+    _n("backend", "kit is the torch backend", "torch"),
+    _n("use_tensorflow", "TensorFlow only", False, None),
+    _n("behavior_version", "switches of RETURNN's layers and frontend; kit has no layers"),
+    _n("propagate_behavior_version_to_subprocs", "RETURNN's subprocesses"),
+    _n("decouple_constraints", "weight decay is always decoupled in torch", True),
+    _n("network", "TensorFlow network dict", None),
+    _n("tf_session_opts", "TensorFlow only"),
+    _n("distributed_tf", "TensorFlow only", None),
+    _n("use_horovod", "TensorFlow only", False, None),
+    _n("patch_atfork", "RETURNN's fork handling", False, None),
+    _n("EnableAutoNumpySharedMemPickling", "RETURNN's multiprocessing pickler", False, None),
+    _n("apply_cleanup_old_models_to_optim_states", "kit's cleanup_old_models always removes a checkpoint's optimizer file with it", True, False),
+    _n("sprint_trainer_exec_path", "RASR/Sprint training", None),
+    _u("PYTORCH_CUDA_ALLOC_CONF", "set the environment variable before starting Python"),
+    _u("__debug_dummy_distributed_rank_and_size"),
+    _u("allow_skipping_seqs_in_forward"),
+    _u("analyze_dataset"),
+    _u("cache_size", "HDF caching of RETURNN's datasets"),
+    _u("calculate_exp_loss"),
+    _u("check_learning_rates"),
+    _u("chunk_eval"),
+    _u("chunking_variance"),
+    _u("combine_labels"),
+    _u("context_window"),
+    _u("data_key"),
+    _u("dataset_random_seed_offset"),
+    _u("default_float_dtype", "float32 only (kit's default) is accepted without a warning"),
+    _u("dry_run"),
+    _u("dummy_dataset_num_seqs"),
+    _u("epoch", "RETURNN's epoch for single tasks; use load_epoch"),
+    _u("epoch_end"),
+    _u("epoch_start"),
+    _u("eval_output_file"),
+    _u("eval_output_file_per_seq"),
+    _u("forward_batch_size"),
+    _u("forward_use_search"),
+    _u("gpu_local_cpu_affinity"),
+    _u("grad_clip"),
+    _u("inf_value"),
+    _u("ipython"),
+    _u("log", "kit logs through Python's logging (the CLI to stderr)"),
+    _u("log_batch_size"),
+    _u("log_format"),
+    _u("log_grad_norm"),
+    _u("loss_name"),
+    _u("need_data"),
+    _u("on_size_limit"),
+    _u("onnx_export"),
+    _u("online_shuffle_batches"),
+    _u("output_file"),
+    _u("output_per_seq_file_format"),
+    _u("output_per_seq_format"),
+    _u("packed_batch_cost"),
+    _u("packed_batch_size"),
+    _u("packed_fallback_allowed"),
+    _u("pretrain_learning_rate"),
+    _u("reset_dev_memory_caches"),
+    *[_u(f"rf_{n}", "read by RETURNN's frontend modules from RETURNN's global config")
+      for n in ("att_dropout_broadcast", "batch_norm_distributed", "conformer_conv_norm_use_mask", "dropout_broadcast",
+                "module_output_keep_dtype", "moments_float32", "moments_use_fixed_masking", "native_opt",
+                "packed_att_fast_paths", "packed_warn_regap", "scatter_use_fixed_masking",
+                "specaugment_num_masks_per_seq", "use_consistent_same_padding")],
+    _u("search_data"),
+    _u("search_do_eval"),
+    _u("search_output_file"),
+    _u("search_output_file_format"),
+    _u("search_output_layer"),
+    _u("shuffle_frames_of_nseqs"),
+    _u("sort_dataset"),
+    _u("start_batch"),
+    _u("startup_callback"),
+    _u("statistics"),
+    _u("statistics_dtype"),
+    _u("statistics_save_prefix"),
+    _u("stop_for_resubmission_safety_factor"),
+    _u("stop_for_resubmission_when_low_time_left"),
+    _u("target"),
+    _u("torch_batching"),
+    _u("torch_cuda_graph"),
+    _u("torch_dataloader_shard_workers"),
+    _u("torch_optimizer_step"),
+    _u("torch_profile"),
+    _u("torch_watch_stall"),
+    _u("train_dummy_dataset_num_seqs"),
+    _u("use_dummy_datasets"),
+    _u("use_lovely_tensors"),
+    _u("use_train_proc_manager"),
+    _u("wandb_opts"),
+    _u("watch_memory"),
+    _u("web_server_port"),
+    _u("window"),
+]
+
+# RETURNN keys that kit has under the same name with RETURNN's meaning
+_SAME = (
+    "accum_grad_multiple_step batch_size chunking cleanup_old_models dev device "
+    "dynamic_learning_rate eval eval_datasets extern_data forward_auto_split_batch_on_oom forward_callback "
+    "forward_data forward_step get_model grad_scaler gradient_clip gradient_clip_global_norm gradient_noise "
+    "import_model_train_epoch1 learning_rate learning_rate_control learning_rate_control_error_measure "
+    "learning_rate_control_min_num_epochs_per_new_lr learning_rate_control_relative_error_relative_lr "
+    "learning_rate_decay learning_rate_file learning_rate_growth learning_rates load load_epoch "
+    "load_model_post_hooks log_verbosity max_seq_length min_chunk_size min_learning_rate min_seq_length model "
+    "model_outputs newbob_error_threshold newbob_learning_rate_decay newbob_learning_rate_growth "
+    "newbob_multi_num_epochs newbob_multi_update_interval newbob_relative_error_div_by_old "
+    "newbob_relative_error_grow_threshold newbob_relative_error_threshold num_epochs optimizer preload_from_files "
+    "random_seed save_interval start_epoch stop_on_nonfinite_train_score task torch_amp torch_dataloader_opts "
+    "torch_distributed torch_log_memory_usage train train_step use_tensorboard tensorboard_opts"
+).split()
+
+RETURNN_KEYS: dict[str, ReturnnKey] = {k.name: k for k in _OTHER}
+for _name in _SAME:
+    RETURNN_KEYS.setdefault(_name, ReturnnKey(_name, "kit", "see docs/config.md"))
+for _name, _key in list(RETURNN_KEYS.items()):  # a key kit has learned since (e.g. tensorboard_opts)
+    if _name in KEYS and _key.status in ("unsupported", "no effect"):
+        RETURNN_KEYS[_name] = ReturnnKey(_name, "kit", "see docs/config.md")
+
+
+def _seq_ordering_for_train(value: Any, get: Callable[[str], Any]) -> dict[str, Any]:
+    train = get("train")
+    if isinstance(train, Mapping) and train.get("seq_ordering") is None:
+        return {"train": {**train, "seq_ordering": value}}
+    if isinstance(train, Mapping):
+        return {}  # the dataset's own seq_ordering wins, as in RETURNN
+    return {"seq_ordering": value}
+
+
+def translate(values: Mapping[str, Any], get: Callable[[str], Any]) -> tuple[dict[str, Any], list[str]]:
+    """RETURNN-only keys of ``values`` rewritten into kit keys; the names of unsupported ones.
+
+    ``get(name)`` reads a key's current value (from ``values`` or the config being updated).
+    Returns (kit key updates, unsupported key names); other RETURNN-only keys are dropped.
+    """
+    updates: dict[str, Any] = {}
+    unsupported: list[str] = []
+    for name, value in values.items():
+        if name == "max_seqs" and value == -1:
+            updates["max_seqs"] = None
+            continue
+        key = RETURNN_KEYS.get(name)
+        if key is None or name in KEYS:
+            continue
+        if name == "batching":
+            if value is not None:
+                updates.update(_seq_ordering_for_train(value, lambda n: updates.get(n, get(n))))
+        elif name == "default_float_dtype" and value in (None, "float32"):
+            continue
+        elif key.status == "no effect" and (not key.quiet_values or value in key.quiet_values):
+            continue
+        elif key.status != "kit":
+            unsupported.append(name)
+    return updates, unsupported
+
+
+def is_returnn_only_key(name: str) -> bool:
+    """A RETURNN key that kit does not have under this name."""
+    return name in RETURNN_KEYS and name not in KEYS and RETURNN_KEYS[name].status != "replaced"
+
+
+def warn_unsupported(names: list[str], source: str | None = None) -> str | None:
+    """One warning naming every unsupported RETURNN key; returns its text (None when there are none)."""
+    if not names:
+        return None
+    listed = ", ".join(f"'{n}'" for n in sorted(names))
+    what = "key" if len(names) == 1 else "keys"
+    verb = "is" if len(names) == 1 else "are"
+    where = f" (in '{source}')" if source else ""
+    text = f"RETURNN {what} {listed} {verb} not supported by kit; ignored{where}"
+    logger.warning(text)
+    return text
+
+
+def returnn_keys_markdown() -> str:
+    """The generated ``docs/returnn_keys.md`` text."""
+    counts: dict[str, int] = {}
+    for key in RETURNN_KEYS.values():
+        counts[key.status] = counts.get(key.status, 0) + 1
+    lines = [
+        "# RETURNN's config keys in kit",
+        "",
+        "Generated from `kit/compat/returnn_keys.py` by `python -m kit._config_docs`; do not edit by hand.",
+        "",
+        "Every key RETURNN's PyTorch engine reads. `kit`: same name and meaning (docs/config.md); "
+        "`translated`: rewritten into kit keys with RETURNN's meaning; `no effect`: nothing to do in kit; "
+        "`unsupported`: a config that sets it gets one warning naming it, and it is ignored.",
+        "",
+        "Counts: " + ", ".join(f"{status} {n}" for status, n in sorted(counts.items())),
+        "",
+        "| key | status | note |",
+        "|---|---|---|",
+    ]
+    for name in sorted(RETURNN_KEYS, key=str.lower):
+        key = RETURNN_KEYS[name]
+        lines.append(f"| `{name}` | {key.status} | {key.note.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
