@@ -90,3 +90,9 @@ def restore(snap: tuple) -> None:
     random.setstate(py_state)
     if cuda is not None:
         torch.cuda.set_rng_state_all(cuda)
+
+
+def torch_rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """torch's CPU RNG state and, once CUDA is in use, every device's (what a step replay needs)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda

@@ -19,23 +19,23 @@ import torch
 
 from kit.config import Config
 from kit.data.batch import Batch
-from kit.engine import amp, compute, distributed, parts, state
+from kit.engine import amp, compute, distributed, epochs, parts, state
 from kit.engine import start as start_
 from kit.engine.accounting import EpochAccounting, stack_losses
 from kit.engine.debugging import DebugContext, Debugger, DebugProtocol, RngState
 from kit.engine.device import select_device
 from kit.engine.evaluation import evaluate_dataset
-from kit.engine.guard import NonFiniteGuard, check_learning_rate
+from kit.engine.guard import NonFiniteGuard
 from kit.engine.loop import EpochDone, TrainingLoop
 from kit.engine.memory import MemoryFigures, MemoryMeter
 from kit.engine.progress import Progress
 from kit.engine.step import StepOptions, StepResult
-from kit.engine.user_code import call_user, check_accepts_kwargs
-from kit.errors import ConfigError, DataError, KitError
+from kit.engine.user_code import check_accepts_kwargs
+from kit.errors import ConfigError, KitError
 from kit.events import Events
-from kit.rng import epoch_seed, get_rng_state, model_init_seed, seed_all, set_rng_state
+from kit.rng import get_rng_state, set_rng_state, torch_rng_state
 from kit.run_ctx import RunCtx
-from kit.scores import ScoreTable
+from kit.scores import ScoreTable, format_step_line
 
 if TYPE_CHECKING:
     from kit.checkpoints import Checkpoint
@@ -192,7 +192,7 @@ class Engine:
         start_.warn_config_changes(self.config, start)
         self.progress.epoch = start.epoch
         self.progress.global_train_step = start.global_train_step
-        self.model = self._create_model(start.epoch, start.global_train_step)
+        self.model = parts.create_model(self.config, self.built_device, start.epoch, start.global_train_step)
         start_.init_weights(self, start)
         self.grad_scaler = amp.make_grad_scaler(self.config, self.device)
         self.amp_dtype = amp.amp_dtype(self.config)
@@ -212,16 +212,6 @@ class Engine:
 
             self.views.append(TensorBoardLogger.from_config(self.config, self.events,
                                                             lambda: self.progress.global_train_step))
-
-    def _create_model(self, epoch: int, step: int) -> torch.nn.Module:
-        get_model = self.config.typed_value("get_model")
-        if get_model is None:
-            raise ConfigError("config key 'get_model' is not set: expected get_model(*, epoch, step, **kwargs)")
-        seed_all(model_init_seed(self.config.int("random_seed"), epoch, step))  # RETURNN's: the same init
-        model = call_user(get_model, "get_model", epoch=epoch, step=step)
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"config key 'get_model': returned {type(model).__name__}, expected a torch.nn.Module")
-        return model.to(self.device)
 
     def ensure_training_parts(self) -> None:
         """Optimizer, LR control and the train pipeline — only needed for training."""
@@ -263,7 +253,7 @@ class Engine:
         self.ensure_training_parts()
         p = self.progress
         if not p.epoch_running:
-            self._begin_epoch()
+            epochs.begin_epoch(self)
         if p.steps_exhausted:
             return None
         # fetch: the next batch of the planned epoch (CPU), then to the device
@@ -281,12 +271,12 @@ class Engine:
         if p.accum_count == 0:
             self.built_updater.optimizer.zero_grad(set_to_none=True)
         opts = self.step_options
-        lr = self._set_step_learning_rate(batch, opts) if probe_lr is None else self._set_probe_lr(probe_lr)
+        lr = epochs.set_step_learning_rate(self, opts) if probe_lr is None else self.set_probe_learning_rate(probe_lr)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
-        self.step_rng_state = _torch_rng_state() if self.debugger is not None else None
-        train_step, accum_multiple = opts.train_step, self._accum_grad_multiple_step(batch, opts)
+        self.step_rng_state = torch_rng_state() if self.debugger is not None else None
+        train_step, accum_multiple = opts.train_step, epochs.accum_grad_multiple_step(self, batch, opts)
         if self.dist:  # through DDP's forward; gradients sync on the last micro-batch of a window (or epoch)
             last = p.accum_count + 1 >= accum_multiple or batch.complete_frac == 1
             train_step = self.dist.train_step(train_step, sync=last)
@@ -317,7 +307,7 @@ class Engine:
             return result
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
             self.guard.check()  # the log line reads the losses anyway
-            self._log_step(result)
+            logger.info(format_step_line(result.epoch, result.step, result.losses, result.seconds))
         if opts.save_every and p.global_train_step % opts.save_every == 0:
             self.save_checkpoint(kind="step")
         self.guard.step_returned()
@@ -342,69 +332,13 @@ class Engine:
             self.dist.after_update(self.built_model, p.num_updates)
         return True, grad_norm
 
-    def _accum_grad_multiple_step(self, batch: Batch, opts: StepOptions) -> int:
-        value = opts.accum_grad_multiple_step
-        if callable(value):
-            value = call_user(value, "accum_grad_multiple_step", epoch=self.progress.epoch,
-                              epoch_continuous=self._epoch_continuous(batch),
-                              global_train_step=self.progress.global_train_step)
-        return max(1, int(value))
-
-    def _epoch_continuous(self, batch: Batch) -> float:
-        frac = batch.complete_frac if batch.complete_frac is not None else 0.0
-        return self.progress.epoch - 1 + frac
-
-    def _set_step_learning_rate(self, batch: Batch, opts: StepOptions) -> float:
-        lr = self.epoch_learning_rate
-        if opts.dynamic_learning_rate is not None:
-            # RETURNN sets the lr before a step from the position after the previous one
-            # (epoch - 1 at the first step of an epoch), not from the batch about to be trained
-            lr = self.built_lr_control.dynamic_learning_rate(
-                global_train_step=self.progress.global_train_step, epoch=self.progress.epoch,
-                epoch_continuous=self.progress.epoch - 1 + self.progress.last_complete_frac,
-                learning_rate=self.epoch_learning_rate)
-            check_learning_rate(lr, "config key 'dynamic_learning_rate'", f"global step {self.progress.global_train_step}")
-        if lr != self.step_learning_rate:
-            self.built_updater.set_learning_rate(lr)
-            self.step_learning_rate = lr
-        return lr
-
-    def _set_probe_lr(self, lr: float) -> float:
+    def set_probe_learning_rate(self, lr: float) -> float:
+        """A probe step's learning rate (the LR finder); the next scheduled step sets its own again."""
         self.built_updater.set_learning_rate(lr)
-        self.step_learning_rate = lr  # the next scheduled step sets its own again
+        self.step_learning_rate = lr
         return lr
-
-    @staticmethod
-    def _log_step(result: StepResult) -> None:
-        from kit.scores import format_step_line
-
-        logger.info(format_step_line(result.epoch, result.step, result.losses, result.seconds))
 
     # ---- epochs -----------------------------------------------------------------------
-
-    def _begin_epoch(self) -> None:
-        p = self.progress
-        self.epoch_learning_rate = float(self.built_lr_control.learning_rate_for_epoch(p.epoch))
-        check_learning_rate(self.epoch_learning_rate, "the learning rate control (learning_rate, learning_rates, "
-                            "learning_rate_file)", f"epoch {p.epoch}")
-        self.built_updater.set_learning_rate(self.epoch_learning_rate)
-        self.step_learning_rate = self.epoch_learning_rate
-        # randomness depends on (random_seed, epoch, global step) only, not on process history
-        # (and on the rank: DDP ranks must not all draw the same dropout masks)
-        rank = (self.dist.rank,) if self.dist and self.dist.rank else ()  # rank 0 draws as one process
-        seed_all(epoch_seed(p.epoch, p.global_train_step, self.config.int("random_seed"), *rank))  # RETURNN's
-        self.built_pipeline.set_epoch(p.epoch)
-        self.accounting = EpochAccounting()
-        p.epoch_running, p.steps_exhausted, p.step_in_epoch = True, False, 0
-        p.skipped_updates_in_epoch, p.epoch_start_global_step = 0, p.global_train_step
-        p.last_complete_frac = 0.0
-        self.epoch_start_time = time.time()
-        self.built_model.train()
-        logger.info("start epoch %d, global train step %d, learning rate %g", p.epoch, p.global_train_step,
-                    self.epoch_learning_rate)
-        self.events.emit("epoch_begin", epoch=p.epoch, learning_rate=self.epoch_learning_rate)
-        if self.debugger is not None:
-            self.debugger.notify("before_train_loop", batch=None)
 
     def finish_epoch(self) -> dict[str, float]:
         """End the current epoch: train scores, eval, next LR, score file, checkpoint, cleanup."""
@@ -418,50 +352,11 @@ class Engine:
         self.guard.check()  # the epoch's scores read the losses anyway
         if self.dist:  # the loss sums of all ranks; reduce_type "param": the same weights everywhere
             self.dist.finish_train_epoch(self.built_model, self.accounting)
-        epoch = p.epoch
-        if self.accounting.num_steps == 0:
-            raise DataError(f"epoch {epoch}: the training dataset gave no batches")
-        self.built_scores.set_scores(epoch, self.accounting.scores("train_loss_"),
-                               errors=self.accounting.error_keys("train_loss_"))
-        self.built_scores.set_meta(epoch, **self._epoch_meta())
-        self.record_eval(epoch, self.eval_model())
-        p.epoch, p.epoch_running, p.steps_exhausted, p.step_in_epoch = epoch + 1, False, False, 0
-        if p.epoch <= self.final_epoch:  # newbob decides with this epoch's scores; stored when epoch e+1 starts,
-            # so the score file holds exactly one row per finished epoch (as RETURNN's after a crash)
-            logger.info("learning rate for epoch %d: %g", p.epoch, self.built_lr_control.calc_learning_rate_for_epoch(p.epoch))
-        self.save_scores()
-        if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
-            self.save_checkpoint(kind="epoch", epoch=epoch)
-        row = self.epoch_scores(epoch)
-        logger.info("finished epoch %d: %s", epoch, _format_scores(self.built_scores.scores(epoch)))
-        self.events.emit("epoch_end", epoch=epoch, scores=row)
-        return row
+        return epochs.end_epoch(self)
 
     def epoch_scores(self, epoch: int) -> dict[str, Any]:
         """``{"learning_rate": .., "train_loss_ce": .., "dev_loss_ce": .., ...}`` of one epoch."""
         return {"learning_rate": self.built_scores.learning_rate(epoch), **self.built_scores.scores(epoch)}
-
-    def _epoch_meta(self) -> dict[str, Any]:
-        import platform
-
-        import kit
-
-        meta = {
-            # RETURNN's meaning: the global step at the epoch's start; its end under global_train_step_end
-            "global_train_step": self.progress.epoch_start_global_step,
-            "global_train_step_end": self.progress.global_train_step,
-            "effective_learning_rate": self.step_learning_rate,
-            "epoch_num_train_steps": self.accounting.num_steps,
-            "epoch_train_time_secs": round(time.time() - self.epoch_start_time, 3),
-            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "hostname": platform.node(),
-            "device": str(self.device),
-            "torch_version": torch.__version__,
-            "kit_version": kit.__version__,
-            "skipped_updates": self.progress.skipped_updates_in_epoch,
-        }
-        meta["peak_memory_bytes"] = self.built_memory.peak_bytes()
-        return meta
 
     def train_epoch(self, should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
         """The rest of the current epoch (or the next one) and its end work, through the loop;
@@ -593,12 +488,3 @@ def _built(part: _Part | None, what: str) -> _Part:
     if part is None:
         raise KitError(f"the engine's {what} is not set up yet (Engine.setup / ensure_training_parts)")
     return part
-
-
-def _torch_rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _format_scores(scores: Mapping[str, float]) -> str:
-    return ", ".join(f"{k} {v:.4g}" for k, v in scores.items()) or "(no scores)"

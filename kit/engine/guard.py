@@ -31,13 +31,19 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kit import rng
 from kit.engine.accounting import StepLosses
 from kit.errors import ConfigError, NonFiniteLossError
+
+if TYPE_CHECKING:
+    from kit.data.batch import Batch
+    from kit.engine.debugging import RngState
+    from kit.engine.engine import Engine
+    from kit.engine.progress import Progress
 
 logger = logging.getLogger("kit")
 
@@ -49,17 +55,17 @@ class _StepRecord:
     """What a deferred read needs to rewind to right after one micro-batch."""
 
     flag: torch.Tensor  # the sticky flag after this micro-batch's check (device)
-    progress: Any  # Progress before the step
-    batch: Any
+    progress: Progress  # Progress before the step
+    batch: Batch
     step_losses: StepLosses
-    rng_before: Any  # the torch RNG before user code ran (only with a debugger: replay)
+    rng_before: RngState | None  # the torch RNG before user code ran (only with a debugger: replay)
     rng_after: tuple | None = None  # torch's RNG after the step (and numpy's / Python's once they are seen used)
 
 
 class NonFiniteGuard:
     """The engine's non-finite guard; the engine calls it at fixed points of its step."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._found: torch.Tensor | None = None  # 0-d float flag, sticky until a report
         self._params: list[torch.nn.Parameter] | None = None
@@ -102,8 +108,8 @@ class NonFiniteGuard:
                               "nonfinite_policy='skip' (a skipped step is counted and training goes on at "
                               "once, which needs the flag after every micro-batch); use 'immediate' or 'auto'")
         if wanted == "auto":
-            devices = {p.device for p in self.engine.model.parameters()}
-            on_cpu = self.engine.device.type == "cpu"
+            devices = {p.device for p in self.engine.built_model.parameters()}
+            on_cpu = self.engine.built_device.type == "cpu"
             # under torchrun each rank has its own flag: ranks must not disagree on skipping an update
             return "immediate" if skip or on_cpu or len(devices) > 1 or self.engine.dist else "deferred"
         return str(wanted)
@@ -140,7 +146,7 @@ class NonFiniteGuard:
         if buffers and (self.mode == "immediate" or not self._records):
             torch._foreach_copy_(self._buffer_backup, buffers)
 
-    def after_backward(self, step_losses: StepLosses, batch: Any, *, rng_before: Any) -> bool:
+    def after_backward(self, step_losses: StepLosses, batch: Batch, *, rng_before: RngState | None) -> bool:
         """Check this micro-batch's losses and the gradients so far (before any clipping).
 
         Returns False when the micro-batch was non-finite and skipped (immediate mode,
@@ -184,13 +190,13 @@ class NonFiniteGuard:
 
     def _parameters(self) -> list[torch.nn.Parameter]:
         if self._params is None:
-            self._params = self.engine.updater.parameters()
+            self._params = self.engine.built_updater.parameters()
         return self._params
 
     def end_step(self) -> None:
         """After the step (deferred mode): the RNG state the next step starts from."""
         if self._records and self._records[-1].rng_after is None:
-            self._records[-1].rng_after = rng.snapshot() if self._host_rng_used else _torch_rng()
+            self._records[-1].rng_after = rng.snapshot() if self._host_rng_used else rng.torch_rng_state()
 
     def account(self, step_losses: StepLosses) -> None:
         """Add a step's losses to the epoch sums; deferred mode adds them once the flag was read."""
@@ -202,7 +208,7 @@ class NonFiniteGuard:
         if not self.enabled or self.mode == "immediate" or self._found is None:
             step()  # immediate: a bad micro-batch was reported before any update
             return
-        optimizer = self.engine.updater.optimizer
+        optimizer: Any = self.engine.built_updater.optimizer  # Any: found_inf / grad_scale are GradScaler's duck typing
         if optimizer.defaults.get("fused") and self.engine.grad_scaler is None:
             optimizer.found_inf, optimizer.grad_scale = self._found, None  # GradScaler's interface
             try:
@@ -246,7 +252,7 @@ class NonFiniteGuard:
 
     def _model_buffers(self) -> list[torch.Tensor]:
         if self._buffers is None:
-            self._buffers = list(self.engine.model.buffers())
+            self._buffers = list(self.engine.built_model.buffers())
             self._buffer_backup = [b.detach().clone() for b in self._buffers]
         return self._buffers
 
@@ -321,24 +327,25 @@ class NonFiniteGuard:
         for flag, params in new_state:
             if bool(flag):  # read at a read point: the state was made by a skipped update
                 for p in params:
-                    engine.updater.optimizer.state.pop(p, None)
+                    engine.built_updater.optimizer.state.pop(p, None)
         engine.progress.load_state_dict(vars(record.progress))
         engine.progress.steps_exhausted = False
         batch, pipeline = record.batch, engine.train_pipeline
-        if hasattr(pipeline, "load_state_dict") and getattr(batch, "batch_idx", None) is not None:
+        position = getattr(batch, "batch_idx", None)
+        if pipeline is not None and position is not None:
             state = pipeline.state_dict()
-            if state["position"] != batch.batch_idx + 1:
-                pipeline.load_state_dict({**state, "epoch": batch.epoch, "position": batch.batch_idx + 1})
+            if state["position"] != position + 1:
+                pipeline.load_state_dict({**state, "epoch": batch.epoch, "position": position + 1})
         if record.rng_after is not None:
             restore_rng(record.rng_after)
 
     # ---- the report ---------------------------------------------------------------------------
 
-    def _report(self, batch: Any, step_losses: StepLosses, rng_before: Any, *, later: int = 0) -> bool:
+    def _report(self, batch: Batch, step_losses: StepLosses, rng_before: RngState | None, *, later: int = 0) -> bool:
         """Drop the window, tell the events and the debugger, then skip (False) or raise."""
         engine, p = self.engine, self.engine.progress
         bad = self._nonfinite_names(step_losses, named_grads=later == 0)
-        engine.updater.optimizer.zero_grad(set_to_none=True)
+        engine.built_updater.optimizer.zero_grad(set_to_none=True)
         self._flag().zero_()
         p.accum_count = 0  # the window with the bad micro-batch is dropped as a whole
         kept = "parameters, optimizer state and module buffers are as before it"
@@ -367,14 +374,9 @@ class NonFiniteGuard:
             return bad or ["a loss's sum or norm"]
         if not named_grads:  # deferred: the gradients of that micro-batch are gone
             return bad or ["the gradients (which ones is not kept in deferred mode; session.replay() finds the op)"]
-        grads = [f"gradient of {n}" for n, prm in self.engine.model.named_parameters()
+        grads = [f"gradient of {n}" for n, prm in self.engine.built_model.named_parameters()
                  if prm.grad is not None and not torch.isfinite(prm.grad).all()]
         return bad + grads[:_MAX_NAMED_GRADS] if bad or grads else ["a loss's sum or norm"]
-
-
-def _torch_rng() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
 
 
 def _put_back_host_state(host_log: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]], first: int) -> None:

@@ -10,8 +10,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from kit.config import Config
+from kit.engine.user_code import call_user
 from kit.errors import ConfigError
+from kit.rng import model_init_seed, seed_all
 
 
 def build_datasets(config: Config) -> dict[str, Any]:
@@ -69,3 +73,15 @@ def open_score_table(config: Config) -> Any:
     if path and os.path.exists(path):
         return ScoreTable.load(path)
     return ScoreTable(path)
+
+
+def create_model(config: Config, device: torch.device, epoch: int, step: int) -> torch.nn.Module:
+    """``get_model(epoch=, step=)`` under RETURNN's init seed (the same init for the same position), on ``device``."""
+    get_model = config.typed_value("get_model")
+    if get_model is None:
+        raise ConfigError("config key 'get_model' is not set: expected get_model(*, epoch, step, **kwargs)")
+    seed_all(model_init_seed(config.int("random_seed"), epoch, step))
+    model = call_user(get_model, "get_model", epoch=epoch, step=step)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"config key 'get_model': returned {type(model).__name__}, expected a torch.nn.Module")
+    return model.to(device)
