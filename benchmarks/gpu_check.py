@@ -11,8 +11,8 @@ with a simulated OOM, to test the script itself). Prints one table:
 2. **host syncs per step**: kit steps under ``torch.cuda.set_sync_debug_mode("warn")``,
    counted per step, guard on (defaults) and guard off; then the same steps under
    ``"error"`` with the guard on, which must pass (0 syncs).
-3. **memory figures**: what the dashboard shows (``kit.widgets.timeline.memory_now``) against
-   ``torch.cuda.memory_stats()`` read at the same moment: allocated, reserved, peak.
+3. **memory figures**: what the dashboard shows (``session.memory()``, the engine's meter) against
+   ``torch.cuda.memory_stats()`` read at the same moment: allocated and reserved; the last step's peak.
 4. **OOM split**: ``Session.forward`` of a batch whose forward really runs out of device
    memory (it allocates a third of the free memory per sequence); with
    ``forward_auto_split_batch_on_oom`` the batch is split until it fits, and the outputs
@@ -159,18 +159,20 @@ def check_syncs(w: e.Workload, steps: int = 20) -> None:
 
 
 def check_memory(w: e.Workload) -> None:
-    from kit.widgets.timeline import memory_now
-
     torch.manual_seed(0)
     sess = session(w.make_model().cuda(), w)
     sess.train_steps(5)
     torch.cuda.synchronize()
-    shown, stats = memory_now(sess.device), torch.cuda.memory_stats(sess.device)
-    pairs = [("memory_allocated", "allocated_bytes.all.current"), ("memory_reserved", "reserved_bytes.all.current"),
-             ("memory_peak", "allocated_bytes.all.peak")]
+    figures = sess.memory()  # what the dashboard shows: the engine's meter, read now
+    shown, stats = (figures.columns() if figures is not None else {}), torch.cuda.memory_stats(sess.device)
+    pairs = [("memory_allocated", "allocated_bytes.all.current"), ("memory_reserved", "reserved_bytes.all.current")]
     for ours, theirs in pairs:
         got, want = shown.get(ours), stats.get(theirs)
         row(f"dashboard {ours} vs memory_stats {theirs}", f"{got} vs {want}", got == want)
+    # the engine closes each step's peak window itself: the last step's peak is at least what it left allocated
+    peak, left = shown.get("memory_peak"), shown.get("memory_allocated")
+    row("dashboard memory_peak (the last step's) >= memory_allocated after it", f"{peak} vs {left}",
+        peak is not None and left is not None and peak >= left)
     sess.close()
 
 
