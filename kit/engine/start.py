@@ -350,3 +350,21 @@ def warn_config_changes(config: Config, start: Start) -> None:
         logger.warning("resuming from %s, but the config changed since it was written: %s (continuing with the "
                        "new values; use another 'model' path to start a separate run)",
                        start.checkpoint.name, ", ".join(changed))
+
+
+def resume_plan(engine: Engine) -> str | None:
+    """Before set-up: where training will continue ("will resume from model.002, epoch 3"), read from the
+    newest complete checkpoint's name (nothing is built, loaded or verified); None when it starts fresh."""
+    from kit.checkpoints import list_checkpoints
+
+    prefix = engine.model_prefix
+    if engine.is_set_up or not prefix or engine.config.typed_value("start_epoch") not in ("auto", None):
+        return None
+    newest = next((c for c in reversed(list_checkpoints(prefix)) if c.complete), None)
+    if newest is None:
+        return None
+    if newest.kind == "epoch" and newest.epoch >= engine.final_epoch:
+        return f"trained to epoch {newest.epoch} (num_epochs={engine.final_epoch}), from {newest.name}"
+    epoch = newest.epoch + 1 if newest.kind == "epoch" else newest.epoch
+    step = f", global step {newest.global_train_step}" if newest.kind == "step" else ""
+    return f"will resume from {newest.name}, epoch {epoch}{step}"

@@ -21,7 +21,6 @@ import gc
 import logging
 import os
 import threading
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,16 +31,19 @@ from kit.engine.debugging import DebugContext, Hook
 from kit.engine.engine import Engine
 from kit.engine.memory import MemoryFigures
 from kit.engine.progress import Progress
+from kit.engine.start import resume_plan
 from kit.engine.step import StepResult
 from kit.errors import ConfigError, SessionStateError
 from kit.events import Events
 from kit.scores import ScoreTable
+from kit.session import inference
 from kit.session.breakpoints import Breakpoints
 from kit.session.history import History
 from kit.session.ipython_refs import drop_stored_references
 from kit.session.lifecycle import SessionState, Status
 from kit.session.loop import LoopDriver, Paused, check_n
-from kit.session.seq_tags import UnknownSeqTagError, resolve_tags
+from kit.session.seq_tags import UnknownSeqTagError
+from kit.session.views import SessionViews
 from kit.session.world import World
 
 if TYPE_CHECKING:
@@ -86,9 +88,7 @@ class Session:
         self.history_store = History(max_rows=history_max_rows)  # the one per-step store; views read it
         self.history_store.subscribe(self.events)
         self.live = live
-        self.live_dashboard: Any = None  # the dashboard ``live=True`` showed for the last train call
-        self.dashboards: weakref.WeakSet[Any] = weakref.WeakSet()  # every dashboard() of this session
-        self.progress_line: Any = None  # the default notebook progress (kit.widgets.progress)
+        self.views = SessionViews(self)  # the dashboard or progress line a train call shows
         # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
         self.debug_hook: Hook | None = self.config.typed_value("debug_hook") or debug.capture
         self.breakpoints = Breakpoints(self.engine, lambda: self.debug_hook)
@@ -349,14 +349,7 @@ class Session:
     def inspect(self, name: str, weights: Mapping[str, torch.Tensor]) -> None:
         """Put ``weights`` (of checkpoint ``name``) into the model for a look; the training weights are kept
         in memory, and training refuses until :meth:`restore` or :meth:`reload_latest`."""
-        from kit import checkpoints
-
-        model = self.model
-        if self.lifecycle.stashed_weights is None:
-            self.lifecycle.stashed_weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        checkpoints.load_into_model(model, dict(weights))
-        self.lifecycle.inspecting = f"checkpoint {name}"
-        self.lifecycle.set(Status.INSPECTING, name)
+        self.lifecycle.inspect(self.model, name, weights)
 
     def restore(self, ckpt: Checkpoint, loaded: tuple[dict, dict | None] | None = None) -> None:
         """Rewind the whole training state to ``ckpt`` (``loaded``: its files, already read and verified)."""
@@ -371,9 +364,7 @@ class Session:
         or (when there is none in memory) restore the newest complete checkpoint."""
         from kit import checkpoints
 
-        if self.lifecycle.stashed_weights is not None:
-            checkpoints.load_into_model(_built(self.engine.model), self.lifecycle.stashed_weights)
-        else:
+        if not self.lifecycle.put_back_training_weights(_built(self.engine.model)):
             loaded = checkpoints.load_latest(self.config.typed_value("model") or "")
             if loaded is None:
                 raise SessionStateError("no weights kept in memory and no complete checkpoint to reload")
@@ -408,21 +399,7 @@ class Session:
         The config's eval datasets evaluated at an epoch end (not mid-epoch, not while a
         checkpoint is loaded for inspection) are recorded in that epoch's score row.
         """
-        self.setup()
-        if datasets is not None and not isinstance(datasets, Mapping):
-            datasets = {"eval": datasets}
-        if datasets is not None:
-            from kit.data import make_dataset
-
-            datasets = {name: make_dataset(ds) for name, ds in datasets.items()}
-        with self.entered():
-            results = self.engine.eval_model(datasets)
-        p = self.engine.progress
-        at_epoch_end = not p.epoch_running and p.epoch > 1 and not self.lifecycle.inspecting
-        if datasets is None and at_epoch_end and self.engine.scores is not None:
-            self.engine.record_eval(p.epoch - 1, results)
-            self.engine.save_scores()
-        return results
+        return inference.evaluate(self, datasets)
 
     def forward(self, data: Any, callback: Any = None, *, dataset: str | None = None) -> Any:
         """Outputs per sequence for a dataset, a Batch, or a list of seq tags of a known dataset.
@@ -432,20 +409,7 @@ class Session:
         Seq tags are looked up in this session's datasets; ``dataset="dev"`` (a config key,
         or a name in ``eval_datasets``) says which one when several hold the tags.
         """
-        self.setup()
-        if self.config.typed_value("forward_step") is None:
-            raise ConfigError("config key 'forward_step' is not set: forward needs forward_step(*, model, extern_data, **kwargs)")
-        from kit.data.batch import Batch
-
-        seq_indices = None
-        if isinstance(data, (list, tuple)) and all(isinstance(t, str) for t in data):
-            data, seq_indices = resolve_tags(self.engine.datasets, list(data), dataset)
-        elif isinstance(data, (Mapping, str)) and not isinstance(data, Batch):  # a Batch is a Mapping too
-            from kit.data import make_dataset
-
-            data = make_dataset(data)
-        with self.entered():
-            return self.engine.forward(data, callback, seq_indices=seq_indices)
+        return inference.forward(self, data, callback, dataset)
 
     # ---- stores and views ---------------------------------------------------------------
 
@@ -494,39 +458,8 @@ class Session:
         return text
 
     def dashboard(self) -> Any:
-        from kit.widgets import Dashboard
-
-        dashboard = Dashboard(self)
-        self.dashboards.add(dashboard)
-        return dashboard
-
-    def show_progress(self) -> None:
-        """The default of a train call in a notebook: a live progress line, unless a dashboard watches."""
-        from kit.widgets import progress
-
-        if not progress.wanted() or any(not d.detached for d in self.dashboards):
-            return
-        if self.progress_line is None:
-            self.progress_line = progress.ProgressLine(self)
-        self.progress_line.start()
-
-    def end_progress(self, outcome: str) -> None:
-        """The train call ended (``outcome``: "done", "finished", "paused at ...", "error: ..."): the line says so."""
-        if self.progress_line is not None:
-            self.progress_line.finish(outcome)
-
-    def show_dashboard(self) -> None:
-        """Display a live dashboard for this train call in the notebook (the last call's one stops following)."""
-        try:
-            from IPython.display import display
-
-            # one per call: the one before stops following, so that its cell keeps its own run's last frame
-            if self.live_dashboard is not None:
-                self.live_dashboard.detach()
-            self.live_dashboard = self.dashboard()
-            display(self.live_dashboard)
-        except ImportError:
-            pass
+        """A live view of this session (:class:`kit.widgets.Dashboard`); show it as a cell's last line."""
+        return self.views.dashboard()
 
     # ---- lifetime ----------------------------------------------------------------------
 
@@ -566,20 +499,7 @@ class Session:
     def resume_plan(self) -> str | None:
         """Before first use: where training will continue ("will resume from model.002, epoch 3"), read from
         the newest complete checkpoint's name (nothing is built, loaded or verified); None when it starts fresh."""
-        from kit.checkpoints import list_checkpoints
-
-        engine = self.engine
-        prefix = engine.model_prefix
-        if engine.is_set_up or not prefix or self.config.typed_value("start_epoch") not in ("auto", None):
-            return None
-        newest = next((c for c in reversed(list_checkpoints(prefix)) if c.complete), None)
-        if newest is None:
-            return None
-        if newest.kind == "epoch" and newest.epoch >= engine.final_epoch:
-            return f"trained to epoch {newest.epoch} (num_epochs={engine.final_epoch}), from {newest.name}"
-        epoch = newest.epoch + 1 if newest.kind == "epoch" else newest.epoch
-        step = f", global step {newest.global_train_step}" if newest.kind == "step" else ""
-        return f"will resume from {newest.name}, epoch {epoch}{step}"
+        return resume_plan(self.engine)
 
     def __repr__(self) -> str:
         p = self.engine.progress

@@ -1,4 +1,5 @@
-"""A session's state between calls: its :class:`Status`, and why it refuses to train.
+"""A session's state between calls: its :class:`Status`, why it refuses to train, and the training
+weights kept while a checkpoint is inspected.
 
 ``session.state`` is the :class:`Status` enum (what views switch on); ``session.status`` the line a person
 reads, the enum's value with its detail (``"error: RuntimeError: boom"``,
@@ -8,6 +9,7 @@ reads, the enum's value with its detail (``"error: RuntimeError: boom"``,
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,6 +59,26 @@ class SessionState:
     def interrupted_mid_step(self, progress: Progress) -> None:
         self.mid_step = progress.where()
         self.set(Status.ERROR, "interrupted mid-step")
+
+    def inspect(self, model: torch.nn.Module, name: str, weights: Mapping[str, torch.Tensor]) -> None:
+        """``weights`` (of checkpoint ``name``) into ``model`` for a look; its training weights are kept
+        on the host first (once: inspecting another checkpoint keeps the same training weights)."""
+        from kit import checkpoints
+
+        if self.stashed_weights is None:
+            self.stashed_weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        checkpoints.load_into_model(model, dict(weights))
+        self.inspecting = f"checkpoint {name}"
+        self.set(Status.INSPECTING, name)
+
+    def put_back_training_weights(self, model: torch.nn.Module) -> bool:
+        """The training weights kept by :meth:`inspect` back into ``model``; False when none are kept."""
+        if self.stashed_weights is None:
+            return False
+        from kit import checkpoints
+
+        checkpoints.load_into_model(model, self.stashed_weights)
+        return True
 
     def consistent(self) -> None:
         """Back to the training state (after a restore or reload)."""

@@ -186,11 +186,7 @@ class LoopDriver:
                 f"all {engine.final_epoch} epochs are trained; "
                 "call session.extend(num_epochs) or session.train(num_epochs) to train more"
             )
-        want = live if live is not None else session.live
-        if want:
-            session.show_dashboard()
-        elif want is None:
-            session.show_progress()
+        session.views.run_starts(live)
         session.lifecycle.set(Status.RUNNING)
 
     @contextlib.contextmanager
@@ -213,7 +209,7 @@ class LoopDriver:
             raise
         except BaseException as exc:
             self.session.lifecycle.failed(exc)
-            self.session.end_progress(self.session.status)
+            self.session.views.run_ended(self.session.status)
             raise
 
     def finish(self, result: Any, outcome: RunOutcome) -> Any:
@@ -228,7 +224,7 @@ class LoopDriver:
             self.guard.clear()
         if state.status is Status.RUNNING:
             state.set(Status.READY)
-        self.session.end_progress("finished" if state.status is Status.FINISHED else "done")
+        self.session.views.run_ended("finished" if state.status is Status.FINISHED else "done")
         return result
 
     def paused(self) -> Paused:
@@ -242,7 +238,7 @@ class LoopDriver:
         # the call returns the note (the cell's result): on stderr too it would show twice, as an error
         logger.info("%s", paused)
         session.events.emit("interrupt", status=paused)
-        session.end_progress(f"paused at epoch {paused.epoch}, step {paused.step}")
+        session.views.run_ended(f"paused at epoch {paused.epoch}, step {paused.step}")
         return paused
 
     # ---- the final epoch -----------------------------------------------------------------

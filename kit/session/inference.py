@@ -1,0 +1,50 @@
+"""``Session.eval`` and ``Session.forward``: the session's datasets and state around the engine's eval and forward."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kit.errors import ConfigError
+from kit.session.seq_tags import resolve_tags
+
+if TYPE_CHECKING:
+    from kit.session.facade import Session
+
+
+def evaluate(session: Session, datasets: Any) -> dict[str, dict[str, float]]:
+    """Scores per dataset; the config's eval datasets at an epoch end go into that epoch's score row."""
+    session.setup()
+    if datasets is not None and not isinstance(datasets, Mapping):
+        datasets = {"eval": datasets}
+    if datasets is not None:
+        from kit.data import make_dataset
+
+        datasets = {name: make_dataset(ds) for name, ds in datasets.items()}
+    engine = session.engine
+    with session.entered():
+        results = engine.eval_model(datasets)
+    p = engine.progress
+    at_epoch_end = not p.epoch_running and p.epoch > 1 and not session.lifecycle.inspecting
+    if datasets is None and at_epoch_end and engine.scores is not None:
+        engine.record_eval(p.epoch - 1, results)
+        engine.save_scores()
+    return results
+
+
+def forward(session: Session, data: Any, callback: Any, dataset: str | None) -> Any:
+    """Outputs per sequence of a dataset, a Batch, or seq tags looked up in the session's datasets."""
+    session.setup()
+    if session.config.typed_value("forward_step") is None:
+        raise ConfigError("config key 'forward_step' is not set: forward needs forward_step(*, model, extern_data, **kwargs)")
+    from kit.data.batch import Batch
+
+    seq_indices = None
+    if isinstance(data, (list, tuple)) and all(isinstance(t, str) for t in data):
+        data, seq_indices = resolve_tags(session.engine.datasets, list(data), dataset)
+    elif isinstance(data, (Mapping, str)) and not isinstance(data, Batch):  # a Batch is a Mapping too
+        from kit.data import make_dataset
+
+        data = make_dataset(data)
+    with session.entered():
+        return session.engine.forward(data, callback, seq_indices=seq_indices)
