@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,7 +39,7 @@ from kit.scores import ScoreTable
 from kit.session import inference
 from kit.session.breakpoints import Breakpoints
 from kit.session.history import History
-from kit.session.ipython_refs import drop_stored_references
+from kit.session.ipython_refs import drop_references_to
 from kit.session.lifecycle import SessionState, Status
 from kit.session.loop import LoopDriver, Paused, check_n
 from kit.session.seq_tags import UnknownSeqTagError
@@ -87,6 +87,7 @@ class Session:
         self.engine = Engine(self.config, events=self.events)
         self.history_store = History(max_rows=history_max_rows)  # the one per-step store; views read it
         self.history_store.subscribe(self.events)
+        self.history_store.memory_source = self.engine.memory_now  # None until the engine is set up
         self.live = live
         self.views = SessionViews(self)  # the dashboard or progress line a train call shows
         # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
@@ -116,13 +117,11 @@ class Session:
         """Device, datasets, score table and model (resumed or fresh); cheap once done."""
         with self.entered():
             self.engine.setup()
-            self.history_store.memory_source = self.engine.memory_now
 
     def ensure_training_parts(self) -> None:
         """:meth:`setup`, then the optimizer, LR control and train pipeline."""
         with self.entered():
             self.engine.ensure_training_parts()
-            self.history_store.memory_source = self.engine.memory_now
 
     # ---- position and parts (built on first use) --------------------------------------
 
@@ -130,12 +129,12 @@ class Session:
     def model(self) -> torch.nn.Module:
         """The user's model (what ``get_model`` returned)."""
         self.setup()
-        return _built(self.engine.model)
+        return self.engine.built_model
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         self.ensure_training_parts()
-        return _built(self.engine.updater).optimizer
+        return self.engine.built_updater.optimizer
 
     @property
     def epoch(self) -> int:
@@ -168,7 +167,7 @@ class Session:
     @property
     def learning_rate(self) -> float:
         self.ensure_training_parts()
-        return _built(self.engine.updater).learning_rate
+        return self.engine.built_updater.learning_rate
 
     # ---- what views read (no side effects: nothing is built) ----------------------------
 
@@ -235,17 +234,15 @@ class Session:
     def train_step(self) -> StepResult | Paused | DebugContext | None:
         """One step of the current epoch (rolling into the next epoch when this one is done)."""
         # no progress line for one step (a dashboard still shows it when ``live=True``)
-        return self.driver.run("steps", lambda: self.driver.units("steps", 1), live=bool(self.live),
-                               allow_finished=False)
+        return self.driver.run("steps", 1, live=bool(self.live))
 
     def train_steps(self, n: int) -> StepResult | Paused | DebugContext | None:
         """``n`` more steps, continuing where the last call stopped; returns the last StepResult."""
-        return self.driver.run("steps", lambda: self.driver.units("steps", check_n(n)), live=None,
-                               allow_finished=False)
+        return self.driver.run("steps", check_n(n), live=None)
 
     def train_epoch(self, *, live: bool | None = None) -> Any:
         """Finish the current epoch (or train the next one): steps, scores, eval, checkpoint, LR."""
-        return self.driver.run("epoch", lambda: self.driver.units("epoch"), live=live, allow_finished=False)
+        return self.driver.run("epoch", live=live)
 
     def train(self, num_epochs: int | None = None, *, live: bool | None = None) -> Any:
         """Train up to epoch ``num_epochs`` (default: the config's); returns the last epoch's scores.
@@ -255,24 +252,21 @@ class Session:
         """
         if num_epochs is not None:
             self.driver.set_final_epoch(num_epochs, lower_ok=True)
-        return self.driver.run("train", lambda: self.driver.units("train"), live=live, allow_finished=True)
+        return self.driver.run("train", live=live)
 
     async def train_steps_async(self, n: int) -> Any:
         """Like :meth:`train_steps`, yielding to the event loop between steps (Pause button works)."""
-        return await self.driver.run_async("steps", lambda: self.driver.units("steps", check_n(n)), live=None,
-                                           allow_finished=False)
+        return await self.driver.run_async("steps", check_n(n), live=None)
 
     async def train_epoch_async(self, *, live: bool | None = None) -> Any:
         """Like :meth:`train_epoch`; ``await`` it in a notebook cell so widgets stay responsive."""
-        return await self.driver.run_async("epoch", lambda: self.driver.units("epoch"), live=live,
-                                           allow_finished=False)
+        return await self.driver.run_async("epoch", live=live)
 
     async def train_async(self, num_epochs: int | None = None, *, live: bool | None = None) -> Any:
         """Like :meth:`train`; ``await session.train_async()`` keeps the kernel responsive."""
         if num_epochs is not None:
             self.driver.set_final_epoch(num_epochs, lower_ok=True)
-        return await self.driver.run_async("train", lambda: self.driver.units("train"), live=live,
-                                           allow_finished=True)
+        return await self.driver.run_async("train", live=live)
 
     def train_in_background(self, goal: str = "train", n: int = 1, *, live: bool | None = None) -> threading.Thread:
         """Train in a thread (goal ``"train"``, ``"epoch"`` or ``"steps"``); the cell returns at once.
@@ -281,8 +275,7 @@ class Session:
         returns the result (or raises the error). Do not step other sessions meanwhile:
         global RNG states are process-wide.
         """
-        count = check_n(n) if goal == "steps" else 0
-        return self.driver.start_background(goal, lambda: self.driver.units(goal, count), live=live)
+        return self.driver.start_background(goal, check_n(n) if goal == "steps" else 0, live=live)
 
     def wait(self, timeout: float | None = None) -> Any:
         """Wait for :meth:`train_in_background`; returns its result or raises its error."""
@@ -364,7 +357,7 @@ class Session:
         or (when there is none in memory) restore the newest complete checkpoint."""
         from kit import checkpoints
 
-        if not self.lifecycle.put_back_training_weights(_built(self.engine.model)):
+        if not self.lifecycle.put_back_training_weights(self.engine.built_model):
             loaded = checkpoints.load_latest(self.config.typed_value("model") or "")
             if loaded is None:
                 raise SessionStateError("no weights kept in memory and no complete checkpoint to reload")
@@ -380,15 +373,7 @@ class Session:
         Works at any step boundary (mid-epoch too); refuses while training runs in the background.
         ``options``: ``smoothing``, ``diverge_factor``, ``loss`` (see :func:`kit.lr_finder.lr_find`).
         """
-        if self.is_training:
-            raise SessionStateError("lr_find: the session is training (in the background); "
-                                    "call session.pause() and session.wait() first")
-        self.lifecycle.check_can_train()
-        from kit.lr_finder import lr_find
-
-        self.ensure_training_parts()
-        with self.entered():
-            return lr_find(self.engine, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps, **options)
+        return inference.find_lr(self, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps, **options)
 
     # ---- eval and forward ---------------------------------------------------------------
 
@@ -442,7 +427,7 @@ class Session:
     @property
     def score_table(self) -> ScoreTable:
         self.setup()
-        return _built(self.engine.scores)
+        return self.engine.built_scores
 
     def on(self, event: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Subscribe ``fn(**payload)`` to an event (see ``kit.events``)."""
@@ -476,12 +461,8 @@ class Session:
         if thread is not None and thread.is_alive():
             self.pause()
             thread.join()
-        engine = self.engine
-        optimizer = engine.updater.optimizer if engine.updater is not None else None
-        parts = [p for p in (engine.model, engine.updater, optimizer) if p is not None]
-        drop_stored_references({id(o) for o in (self, engine, *parts)}, {id(o) for o in parts})
-        del parts, optimizer
-        engine.close()
+        drop_references_to(self, self.engine)
+        self.engine.close()
         self.release()
         self.lifecycle.stashed_weights = None
         self.lifecycle.set(Status.CLOSED)
@@ -513,13 +494,3 @@ class Session:
         from kit.widgets.summary import session_html
 
         return session_html(self)
-
-
-_Part = TypeVar("_Part")
-
-
-def _built(part: _Part | None) -> _Part:
-    """A part the set-up has made (the model, optimizer, score table)."""
-    if part is None:
-        raise SessionStateError("this part is not built yet")
-    return part

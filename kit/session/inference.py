@@ -1,11 +1,12 @@
-"""``Session.eval`` and ``Session.forward``: the session's datasets and state around the engine's eval and forward."""
+"""``Session.eval``, ``Session.forward`` and ``Session.lr_find``: runs of the model beside training, with the
+session's datasets and state around the engine's (``lr_find`` leaves the training state bitwise as it was)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kit.errors import ConfigError
+from kit.errors import ConfigError, SessionStateError
 from kit.session.seq_tags import resolve_tags
 
 if TYPE_CHECKING:
@@ -48,3 +49,16 @@ def forward(session: Session, data: Any, callback: Any, dataset: str | None) -> 
         data = make_dataset(data)
     with session.entered():
         return session.engine.forward(data, callback, seq_indices=seq_indices)
+
+
+def find_lr(session: Session, **options: Any) -> Any:
+    """The LR sweep (:func:`kit.lr_finder.lr_find`) at a step boundary of a session that is not training."""
+    if session.is_training:
+        raise SessionStateError("lr_find: the session is training (in the background); "
+                                "call session.pause() and session.wait() first")
+    session.lifecycle.check_can_train()
+    from kit.lr_finder import lr_find
+
+    session.ensure_training_parts()
+    with session.entered():
+        return lr_find(session.engine, **options)

@@ -6,7 +6,11 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kit.engine.engine import Engine
+    from kit.session.facade import Session
 
 
 def _holds(exc: BaseException | None, refs: set[int]) -> bool:
@@ -26,6 +30,13 @@ def _tb_holds(tb: Any, refs: set[int]) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def drop_references_to(session: Session, engine: Engine) -> None:
+    """Before a session closes: stored exceptions and cached outputs that hold it, its engine, model or optimizer."""
+    optimizer = engine.updater.optimizer if engine.updater is not None else None
+    parts = [p for p in (engine.model, engine.updater, optimizer) if p is not None]
+    drop_stored_references({id(o) for o in (session, engine, *parts)}, {id(o) for o in parts})
 
 
 def drop_stored_references(frame_refs: set[int], value_refs: set[int]) -> None:

@@ -110,26 +110,27 @@ class LoopDriver:
 
     # ---- running -------------------------------------------------------------------------
 
-    def run(self, goal: str, units: Callable[[], Units], *, live: bool | None, allow_finished: bool) -> Any:
+    def run(self, goal: str, n: int = 0, *, live: bool | None) -> Any:
+        """A blocking train call towards ``goal`` ("steps" ``n``, "epoch", "train"); "train" may find every epoch trained."""
         # the handler is in place before the set-up (model build, resume) so that an interrupt
         # there pauses after the first step instead of tearing the set-up apart
         self.guard.clear()
         with self.guard.held():
-            self.prepare(live, allow_finished)
+            self.prepare(live, allow_finished=goal == "train")
             self.mode = "blocking"
             with self.session.engine.loop.driven(goal) as outcome:
-                return self.finish(self.drive_all(units), outcome)
+                return self.finish(self.drive_all(lambda: self.units(goal, n)), outcome)
 
-    async def run_async(self, goal: str, units: Callable[[], Units], *, live: bool | None,
-                        allow_finished: bool) -> Any:
+    async def run_async(self, goal: str, n: int = 0, *, live: bool | None) -> Any:
+        """Like :meth:`run`, in time slices with an ``await`` between them."""
         import asyncio
 
         self.guard.clear()
         with self.guard.held():
-            self.prepare(live, allow_finished)
+            self.prepare(live, allow_finished=goal == "train")
             self.mode = "awaitable"
             with self.session.engine.loop.driven(goal) as outcome:
-                gen = units()
+                gen = self.units(goal, n)
                 while True:
                     deadline = time.monotonic() + self.yield_every_secs
                     # the guard's flag is read as each slice ends (deferred mode), inside the error tracking
@@ -139,7 +140,8 @@ class LoopDriver:
                         return self.finish(result, outcome)
                     await asyncio.sleep(0)  # let the kernel handle widget messages (the Pause button)
 
-    def start_background(self, goal: str, units: Callable[[], Units], *, live: bool | None) -> threading.Thread:
+    def start_background(self, goal: str, n: int = 0, *, live: bool | None) -> threading.Thread:
+        """Like :meth:`run`, in a thread; :meth:`wait` returns its result."""
         if self.thread is not None and self.thread.is_alive():
             raise SessionStateError("this session is already training in the background; call wait() or pause()")
         self.guard.clear()
@@ -151,7 +153,7 @@ class LoopDriver:
             try:
                 # finished here, not in wait(): status and the interrupt event come when the thread stops
                 with self.session.engine.loop.driven(goal) as outcome:
-                    self.background["result"] = self.finish(self.drive_all(units), outcome)
+                    self.background["result"] = self.finish(self.drive_all(lambda: self.units(goal, n)), outcome)
             except BaseException as exc:
                 self.background["error"] = exc
 
