@@ -298,18 +298,35 @@ WIDGET_VIEWS = r"""() => Array.from(document.querySelectorAll('.jp-OutputArea-ou
 
 
 def _save(page, lab: Lab, rel: str) -> dict:
-    """Save from the browser (File > Save Notebook) and return what JupyterLab wrote."""
+    """Save from the browser (File > Save Notebook) and return what JupyterLab wrote.
+
+    JupyterLab may answer a save with a dialog (the file changed on disk, e.g. after its own autosave
+    raced ours): we accept it, as a user would. A save that left no trace after 20 s is asked for once
+    more (a click on a menu that was still closing is lost); the error names the dialog if one stayed open.
+    """
     before = lab.saved(rel)["last_modified"]
-    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^File$")).click()
-    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Save Notebook$")).click()
+    dialog = page.locator(".jp-Dialog")
+
+    def ask() -> None:
+        page.keyboard.press("Escape")  # a menu left open by an earlier click
+        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^File$")).click()
+        page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Save Notebook$")).click()
 
     def written() -> bool:
+        if dialog.count() and dialog.first.is_visible():
+            page.locator(".jp-Dialog .jp-mod-accept").first.click()
         try:  # JupyterLab writes a temporary file and renames it: the file can be missing for a moment
             return lab.saved(rel)["last_modified"] != before
         except urllib.error.HTTPError:
             return False
 
-    _wait_for(page, written, f"{rel} to be saved", timeout=30)
+    ask()
+    try:
+        _wait_for(page, written, f"{rel} to be saved", timeout=20)
+    except AssertionError:
+        ask()
+        shown = dialog.first.inner_text()[:300] if dialog.count() else "no dialog"
+        _wait_for(page, written, f"{rel} to be saved (asked twice; {shown})", timeout=40)
     return lab.saved(rel)["content"]
 
 
