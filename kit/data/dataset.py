@@ -368,7 +368,11 @@ class TorchDataset(Dataset):
         instead of converting every item to numpy first.
         """
         idx = self._check_index(idx)
-        return _check_seq(self.dataset[idx], lambda: f"{self.describe()} item {idx}", convert=False)
+        return self.check_item(self.dataset[idx], idx)
+
+    def check_item(self, item: Any, idx: int) -> dict[str, Any]:
+        """``item``, the wrapped dataset's item ``idx``, as a dict with str keys (DataError naming it if not)."""
+        return _check_seq(item, lambda: f"{self.describe()} item {idx}", convert=False)
 
     def get_seq_length(self, idx: int) -> dict[str, int]:
         if self._given_lengths is None:
