@@ -193,7 +193,12 @@ class Dataset:
         RETURNN, the order depends on the epoch, ``fixed_random_seed`` and ``random_seed_offset``.
         """
         del random_seed
-        return ordering.seq_order(
+        return self.seq_order_array(epoch, seq_ordering=seq_ordering).tolist()
+
+    def seq_order_array(self, epoch: int, *, seq_ordering: Any = None) -> np.ndarray:
+        """:meth:`get_seq_order` of this class as an int64 array (the pipeline's planning reads this
+        when a subclass keeps ``get_seq_order`` as it is)."""
+        return ordering.seq_order_array(
             seq_ordering or self.seq_ordering,
             num_seqs=self.num_seqs,
             epoch=epoch,

@@ -72,7 +72,10 @@ class PackedGather:
             _fill(kp, out, idx, starts, lengths, full, zero_padding=shared)
             if lengths is not None:
                 e = next(extra)
-                arrays[e][:] = lengths
+                if isinstance(lengths, int):
+                    arrays[e].fill(lengths)
+                else:
+                    arrays[e][:] = lengths
                 length_tensor = tensors[e]
             if kp.check_labels:
                 _check_labels(kp, out, idx, starts, lengths, self.tag_of)
@@ -111,15 +114,15 @@ def _layout(
     idx: np.ndarray,
     spans: Spans | None,
     layouts: dict[int, tuple[np.ndarray | None, np.ndarray | None]],
-) -> tuple[Shape, np.ndarray | None, np.ndarray | None, bool]:
-    """(shape, starts, lengths, full) of the key's batch array; ``full``: no row is padded."""
+) -> tuple[Shape, np.ndarray | None, np.ndarray | int | None, bool]:
+    """(shape, starts, lengths, full) of the key's batch array: ``lengths`` an int when all rows
+    have it (``starts`` then None if the rows can be taken whole); ``full``: no row is padded."""
     pk, rest = kp.pk, kp.pk.data.shape[1:]
     if pk.lengths is None:
         return (len(idx), *rest), None, None, True
-    if pk.fixed_length is not None and spans is None:
-        fixed = np.full(len(idx), pk.fixed_length, dtype=np.int64)
+    if pk.fixed_length is not None and spans is None:  # every row this long: no lengths to gather
         rows = None if kp.rows is not None or pk.starts is None else pk.starts[idx]
-        return (len(idx), pk.fixed_length, *rest), rows, fixed, True
+        return (len(idx), pk.fixed_length, *rest), rows, pk.fixed_length, True
     shared = spans is None and id(pk.lengths) in layouts
     starts, lengths = layouts[id(pk.lengths)] if shared else packing.batch_layout(pk, idx, spans)
     if spans is None:
@@ -134,15 +137,18 @@ def _fill(
     out: np.ndarray,
     idx: np.ndarray,
     starts: np.ndarray | None,
-    lengths: np.ndarray | None,
+    lengths: np.ndarray | int | None,
     full: bool,
     *,
     zero_padding: bool,
 ) -> None:
     if lengths is None:
         packing.fill_rows(out, kp.pk.data, idx)
-    elif kp.rows is not None and full:
+    elif kp.rows is not None and isinstance(lengths, int):
         packing.fill_rows(out, kp.rows, idx)  # back to back, one length: whole rows
+    elif isinstance(lengths, int):
+        assert starts is not None
+        packing.fill_full(out, kp.pk.data, starts)
     else:
         assert starts is not None
         packing.fill_padded(out, kp.pk.data, starts, lengths, zero_padding=zero_padding, full=full)
@@ -153,18 +159,22 @@ def _check_labels(
     out: np.ndarray,
     idx: np.ndarray,
     starts: np.ndarray | None,
-    lengths: np.ndarray | None,
+    lengths: np.ndarray | int | None,
     tag_of: Callable[[int], str],
 ) -> None:
     spec = kp.spec
     assert spec is not None and spec.sparse_dim is not None
     if not out.size or (out.min() >= 0 and out.max() < spec.sparse_dim):  # padding (0) is in range
         return
+    data = kp.pk.data
     for b, i in enumerate(idx.tolist()):
         if lengths is None:
-            a = kp.pk.data[i]
+            a = data[i]
+        elif starts is None:
+            a = kp.pk.seq(i)
         else:
-            a = kp.pk.seq(i) if starts is None else kp.pk.data[int(starts[b]) : int(starts[b]) + int(lengths[b])]
+            start = int(starts[b])
+            a = data[start : start + (lengths if isinstance(lengths, int) else int(lengths[b]))]
         check_array(spec, a, tag_of(i))  # raises, naming the sequence
 
 

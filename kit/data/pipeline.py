@@ -164,7 +164,7 @@ class Pipeline:
             self._lengths = lengths
         return self._lengths
 
-    def _order(self, epoch: int) -> list[int]:
+    def _order(self, epoch: int) -> np.ndarray:
         ds = self.dataset
         n = len(ds)
         # RETURNN's order seed: the dataset's offset (kit's older name: random_seed), not the config's random_seed
@@ -180,13 +180,15 @@ class Pipeline:
                 )
             lens = lambda: ordering_lengths(self._seq_lengths())  # noqa: E731
             full = ordering.full_order(method, n, epoch, lens, seed, fixed_random_seed=fixed)
-            wanted = set(self.seq_indices)
-            return [int(i) for i in full if i in wanted]
+            return full[np.isin(full, self.seq_indices)].astype(np.int64, copy=False)
         if isinstance(ds, Dataset):
-            return ds.get_seq_order(epoch, seq_ordering=self.seq_ordering, random_seed=self.random_seed)
+            if type(ds).get_seq_order is Dataset.get_seq_order:
+                return ds.seq_order_array(epoch, seq_ordering=self.seq_ordering)
+            order = ds.get_seq_order(epoch, seq_ordering=self.seq_ordering, random_seed=self.random_seed)
+            return np.asarray(order, dtype=np.int64)
         if self.seq_ordering is None:
-            return list(ds.get_seq_order(epoch))
-        return ordering.seq_order(
+            return np.asarray(list(ds.get_seq_order(epoch)), dtype=np.int64)
+        return ordering.seq_order_array(
             method,
             num_seqs=n,
             epoch=epoch,
@@ -209,13 +211,12 @@ class Pipeline:
                 f"dataset {name} is empty (0 sequences): nothing to {'train' if self.train else 'evaluate'} on"
             )
         order = self._order(epoch)
-        if not order:
+        if not len(order):
             raise DataError(f"dataset {name}: epoch {epoch} has no sequences (partition_epoch / seq_indices)")
-        order_arr = np.asarray(order, dtype=np.int64)
-        self._entries = self._plan_entries(order_arr, epoch, name)
+        self._entries = self._plan_entries(order, epoch, name)
         lens = batching.span_lengths(self._entries.seq_idx, self._entries.spans, self._seq_lengths())
         self._ranges = batching.plan_batches(lens, len(self._entries), self.batch_size, self.max_seqs)
-        self._fracs = batching.complete_fracs(order_arr, self._entries.seq_idx, self._ranges)
+        self._fracs = batching.complete_fracs(order, self._entries.seq_idx, self._ranges)
         self.epoch, self.position = epoch, 0
 
     def _plan_entries(self, order: np.ndarray, epoch: int, name: str) -> batching.EpochEntries:
