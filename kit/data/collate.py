@@ -103,9 +103,8 @@ class BatchLoader:
             return collate(_cut(seqs, batch.spans), tags, self.extern_data)
         if sight.known(idx):
             return collate(seqs, tags, self.extern_data, validated=True, lengths=sight.lengths_of(idx))
-        dtypes: dict[str, Any] = {}
-        fields = collate(seqs, tags, self.extern_data, dtypes=dtypes)
-        sight.record(idx, fields, dtypes)
+        fields = collate(seqs, tags, self.extern_data)
+        sight.record(idx, fields)
         return fields
 
     def _load_seqs(self, idx: np.ndarray, idxs: list[int]) -> list[Mapping[str, Any]]:
@@ -156,7 +155,6 @@ class _Plan(NamedTuple):
     shape: tuple[int, ...]
     dtype: np.dtype
     lengths: np.ndarray | None
-    source_dtype: Any  # declared keys: the arrays' one dtype (None: they differed)
 
 
 def collate(
@@ -166,15 +164,13 @@ def collate(
     *,
     validated: bool = False,
     lengths: Mapping[str, np.ndarray] | None = None,
-    dtypes: dict[str, Any] | None = None,
 ) -> dict[str, Field]:
     """Per key: the sequences concatenated, checked as a whole, padded into one ``[B, T_max, ...]`` array.
 
     ``validated``: the declared keys' sequences already passed these checks one by one (an
     earlier batch, :mod:`kit.data.first_sight`): their joined array's layout and dtype kind and
     the sparse label range are still checked, once per key. ``lengths``: the sequences' time
-    lengths per key, when known (used when they add up to the joined frames). ``dtypes``, when
-    given, is filled with each declared key's dtype, the one of all its arrays (None: they differed).
+    lengths per key, when known (used when they add up to the joined frames).
     In a DataLoader worker all arrays of the batch live in one shared-memory block, so
     handing the batch to the main process costs one segment and no extra copy.
     """
@@ -184,8 +180,6 @@ def collate(
     keys += [k for k in seqs[0] if k not in keys]
     known = lengths or {}
     plans = [_plan(key, seqs, tags, extern_data, validated, known.get(key)) for key in keys]
-    if dtypes is not None:
-        dtypes.update((p.key, p.source_dtype) for p in plans if p.spec is not None)
     shapes = [(p.shape, p.dtype) for p in plans]
     shapes += [((len(seqs),), np.dtype(np.int32)) for p in plans if p.lengths is not None]
     shared = torch.utils.data.get_worker_info() is not None
@@ -222,7 +216,6 @@ def _plan(
         ) from None
     has_time = spec.has_time if spec is not None else np.ndim(arrays[0]) >= 1
     flat = _join(arrays, has_time)
-    source_dtype = None
     if spec is None:
         if flat is None:  # mixed layouts, or tensors mixed with arrays: once more as numpy, else explain
             arrays = [np.asarray(as_numpy(a)) for a in arrays]
@@ -230,9 +223,7 @@ def _plan(
             if flat is None:
                 _explain_mixed_shapes(key, arrays, tags)
     else:
-        if flat is not None and _fits(spec, flat, None if validated else arrays):
-            source_dtype = arrays[0].dtype
-        else:
+        if flat is None or not _fits(spec, flat, None if validated else arrays):
             arrays = [check_array(spec, np.asarray(as_numpy(a)), tag, check_sparse=False) for a, tag in zip(arrays, tags)]
             flat = _join(arrays, has_time)
         if spec.sparse_dim is not None and flat is not None and flat.size and (
@@ -243,11 +234,11 @@ def _plan(
     assert flat is not None
     dtype = spec.dtype if spec is not None else flat.dtype
     if not has_time:
-        return _Plan(key, flat, spec, (len(arrays), *flat.shape[1:]), dtype, None, source_dtype)
+        return _Plan(key, flat, spec, (len(arrays), *flat.shape[1:]), dtype, None)
     lengths = known_lengths
     if lengths is None or len(lengths) != len(arrays) or int(lengths.sum()) != flat.shape[0]:
         lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int32, count=len(arrays))  # tensors too
-    return _Plan(key, flat, spec, (len(arrays), int(lengths.max()), *flat.shape[1:]), dtype, lengths, source_dtype)
+    return _Plan(key, flat, spec, (len(arrays), int(lengths.max()), *flat.shape[1:]), dtype, lengths)
 
 
 def _join(arrays: list[Any], has_time: bool) -> np.ndarray | None:
