@@ -25,8 +25,8 @@ from kit.data import packed as packing
 from kit.data.batch import Batch, Field
 from kit.data.batching import Entry, PlannedBatch
 from kit.data.dataset import TorchDataset, as_numpy
-from kit.data.extern_data import DataSpec, ExternData, check_array, kind_ok
-from kit.data.first_sight import FirstSight, all_plain
+from kit.data.extern_data import DataSpec, ExternData, check_array, kind_ok, labels_in_range
+from kit.data.first_sight import FirstSight, all_plain, plain_dicts
 from kit.data.gather import PackedGather, allocate
 from kit.errors import DataError
 
@@ -98,25 +98,27 @@ class BatchLoader:
 
     def _collate_seqs(self, batch: PlannedBatch, idxs: list[int], tag_of: Callable[[int], str]) -> dict[str, Field]:
         tags, sight, idx = SeqTags(idxs, tag_of), self._sight, batch.idx
-        seqs = self._load_seqs(idx, idxs)
+        known = not batch.spans and sight.known(idx)
+        seqs = self._load_seqs(idxs, known)
         if batch.spans:
             return collate(_cut(seqs, batch.spans), tags, self.extern_data)
-        if sight.known(idx):
+        if known:
             return collate(seqs, tags, self.extern_data, validated=True, lengths=sight.lengths_of(idx))
         fields = collate(seqs, tags, self.extern_data)
         sight.record(idx, fields)
         return fields
 
-    def _load_seqs(self, idx: np.ndarray, idxs: list[int]) -> list[Mapping[str, Any]]:
+    def _load_seqs(self, idxs: list[int], known: bool) -> list[Mapping[str, Any]]:
         """The sequences, each through the dataset's own checks; a torch dataset's tensors stay tensors
-        (collate joins them with one ``torch.cat`` per key, not one conversion per item)."""
+        (collate joins them with one ``torch.cat`` per key, not one conversion per item). ``known``:
+        all were seen before, so their keys were found to be str then."""
         ds = self.dataset
         if not isinstance(ds, TorchDataset) or type(ds).get_seq is not TorchDataset.get_seq:
             return list(map(ds.get_seq, idxs))
-        if self._items is None or not len(idx) or int(idx.min()) < 0 or int(idx.max()) >= len(ds):
+        if self._items is None or not idxs or min(idxs) < 0 or max(idxs) >= len(ds):
             return list(map(ds.get_item, idxs))  # (an index out of range raises there, naming the dataset)
         raw = list(map(self._items, idxs))
-        if all_plain(raw):  # what the dataset's check would return: checked for the batch at once
+        if plain_dicts(raw) if known else all_plain(raw):  # what the dataset's check would return
             return raw
         return [ds.check_item(item, i) for item, i in zip(raw, idxs)]
 
@@ -155,6 +157,7 @@ class _Plan(NamedTuple):
     shape: tuple[int, ...]
     dtype: np.dtype
     lengths: np.ndarray | None
+    full: bool  # no row is padded
 
 
 def collate(
@@ -186,7 +189,7 @@ def collate(
     arrays, tensors = allocate(shapes, shared)
     fields, extra = {}, iter(range(len(plans), len(arrays)))
     for j, p in enumerate(plans):
-        _fill(arrays[j], p.flat, p.lengths, zero_padding=shared)
+        _fill(arrays[j], p.flat, None if p.full else p.lengths, zero_padding=shared)
         length_tensor = None
         if p.lengths is not None:
             e = next(extra)
@@ -226,19 +229,22 @@ def _plan(
         if flat is None or not _fits(spec, flat, None if validated else arrays):
             arrays = [check_array(spec, np.asarray(as_numpy(a)), tag, check_sparse=False) for a, tag in zip(arrays, tags)]
             flat = _join(arrays, has_time)
-        if spec.sparse_dim is not None and flat is not None and flat.size and (
-            flat.min() < 0 or flat.max() >= spec.sparse_dim
-        ):
+        if spec.sparse_dim is not None and flat is not None and not labels_in_range(flat, spec.sparse_dim):
             for a, tag in zip(arrays, tags):
                 check_array(spec, np.asarray(as_numpy(a)), tag)  # raises, naming the sequence
     assert flat is not None
     dtype = spec.dtype if spec is not None else flat.dtype
     if not has_time:
-        return _Plan(key, flat, spec, (len(arrays), *flat.shape[1:]), dtype, None)
+        return _Plan(key, flat, spec, (len(arrays), *flat.shape[1:]), dtype, None, True)
     lengths = known_lengths
-    if lengths is None or len(lengths) != len(arrays) or int(lengths.sum()) != flat.shape[0]:
+    total = int(lengths.sum()) if lengths is not None and len(lengths) == len(arrays) else -1
+    if total != flat.shape[0]:
         lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int32, count=len(arrays))  # tensors too
-    return _Plan(key, flat, spec, (len(arrays), int(lengths.max()), *flat.shape[1:]), dtype, lengths)
+        total = flat.shape[0]
+    assert lengths is not None
+    time = int(lengths.max())
+    full = total == time * len(arrays)  # every row as long as the longest: no padding
+    return _Plan(key, flat, spec, (len(arrays), time, *flat.shape[1:]), dtype, lengths, full)
 
 
 def _join(arrays: list[Any], has_time: bool) -> np.ndarray | None:
@@ -277,7 +283,8 @@ def _explain_mixed_shapes(key: str, arrays: list[np.ndarray], tags: Sequence[str
 
 
 def _fill(out: np.ndarray, flat: np.ndarray, lengths: np.ndarray | None, zero_padding: bool) -> None:
-    if lengths is None or not len(lengths) or bool((lengths == out.shape[1]).all()):
+    """``flat``'s frames into ``out``, padded after each row's ``lengths`` (None: no row is padded)."""
+    if lengths is None or not len(lengths):
         out[...] = flat.reshape(out.shape)  # no padding: one copy (and the cast to the declared dtype)
         return
     starts = np.zeros(len(lengths), dtype=np.int64)

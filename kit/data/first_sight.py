@@ -28,11 +28,14 @@ import numpy as np
 from kit.data.batch import Field
 
 
+def plain_dicts(items: list[Any]) -> bool:
+    """Whether every item is a non-empty dict (checked for all at once)."""
+    return bool(items) and set(map(type, items)) == {dict} and all(items)
+
+
 def all_plain(items: list[Any]) -> bool:
     """Whether every item is a non-empty dict with str keys (as the dataset's check would return it)."""
-    if not items or set(map(type, items)) != {dict} or not all(items):
-        return False
-    return all(type(k) is str for k in set(chain.from_iterable(items)))
+    return plain_dicts(items) and all(type(k) is str for k in set(chain.from_iterable(items)))
 
 
 class FirstSight:
