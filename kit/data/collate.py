@@ -70,6 +70,8 @@ class BatchLoader:
         if isinstance(ds, TorchDataset) and type(ds).get_seq is TorchDataset.get_seq:
             if type(ds).get_item is TorchDataset.get_item and type(ds).check_item is TorchDataset.check_item:
                 self._items = ds.dataset.__getitem__
+        # lengths the dataset read from its items for the plan: as good as noted at first sight
+        self._seed_lengths = isinstance(ds, TorchDataset) and self._items is not None and ds.lengths_from_items
 
     def __getstate__(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "extern_data": self.extern_data}  # a worker learns on its own
@@ -98,13 +100,16 @@ class BatchLoader:
 
     def _collate_seqs(self, batch: PlannedBatch, idxs: list[int], tag_of: Callable[[int], str]) -> dict[str, Field]:
         tags, sight, idx = SeqTags(idxs, tag_of), self._sight, batch.idx
+        if self._seed_lengths:
+            sight.note_lengths(self.dataset.seq_lengths())
+            self._seed_lengths = False
         known = not batch.spans and sight.known(idx)
         seqs = self._load_seqs(idxs, known)
         if batch.spans:
             return collate(_cut(seqs, batch.spans), tags, self.extern_data)
         if known:
             return collate(seqs, tags, self.extern_data, validated=True, lengths=sight.lengths_of(idx))
-        fields = collate(seqs, tags, self.extern_data)
+        fields = collate(seqs, tags, self.extern_data, lengths=sight.lengths_of(idx))
         sight.record(idx, fields)
         return fields
 

@@ -384,6 +384,16 @@ class TorchDataset(Dataset):
             return super().get_seq_length(idx)
         return dict(self._given_lengths[self._check_index(idx)])
 
+    @property
+    def lengths_from_items(self) -> bool:
+        """Whether ``seq_lengths()`` reads the items' own lengths (no ``lengths=`` given, nothing overridden)."""
+        cls = type(self)
+        return self._given_lengths is None and all(
+            getattr(cls, name) is getattr(base, name)
+            for name, base in (("get_seq_length", TorchDataset), ("seq_lengths", Dataset), ("get_seq", TorchDataset),
+                               ("get_item", TorchDataset))
+        )
+
 
 def from_torch_dataset(dataset: Any, **opts: Any) -> TorchDataset:
     """Wrap a map-style torch dataset (items: dicts of arrays or tensors)."""

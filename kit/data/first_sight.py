@@ -4,7 +4,7 @@ A dataset read through ``get_seq`` (or a torch dataset's items) is checked in fu
 first batch that holds a sequence: the declared layout and an accepted dtype kind for every
 array of every declared key, the label range. Its time lengths are noted then. Later
 batches of sequences seen before take the lengths from the notes instead of from every
-array, and skip the per-array dtype comparison; the checks that cost O(1) per key still
+array (a ``TorchDataset`` that read its items' lengths for the plan notes them from there), and skip the per-array dtype comparison; the checks that cost O(1) per key still
 run on every batch: the joined array's layout and dtype kind, its frames against the noted
 lengths (when they do not add up, the lengths come from the arrays), the label range.
 
@@ -52,6 +52,11 @@ class FirstSight:
     def lengths_of(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """The noted int32 time lengths of the batch's sequences, per key (0: not noted)."""
         return {k: v[idx] for k, v in self.lengths.items()}
+
+    def note_lengths(self, lengths: Mapping[str, np.ndarray]) -> None:
+        """Note every sequence's lengths, read from the sequences themselves (not checked yet)."""
+        for key, value in lengths.items():
+            self.lengths[key] = np.asarray(value, dtype=np.int32).copy()
 
     def record(self, idx: np.ndarray, fields: Mapping[str, Field]) -> None:
         """Note a fully checked batch of whole sequences (no chunks)."""

@@ -249,3 +249,12 @@ def test_a_dataset_with_its_own_order_is_planned_from_it():
     assert isinstance(Reversed(seqs(n=3)), Dataset)
     out = list(batches(Reversed(seqs(n=5)), batch_size=10**6, max_seqs=2))
     assert [b.seq_idx for b in out] == [[4, 3], [2, 1], [0]]
+
+
+def test_given_lengths_are_not_taken_for_the_items_own():
+    """``lengths=`` only orders and batches: wrong ones (two swapped, the same total) still give the real lengths."""
+    data = [{"data": np.ones((t, 3), np.float32) * t, "classes": np.zeros(t, np.int64)} for t in (2, 5, 3, 4)]
+    given = [{"data": t, "classes": t} for t in (5, 2, 3, 4)]
+    out = list(batches(TorchDataset(Items(data), lengths=given), extern_data=SPEC, batch_size=10**6))
+    assert out[0]["data"].lengths.tolist() == [2, 5, 3, 4] and out[0]["classes"].lengths.tolist() == [2, 5, 3, 4]
+    assert float(out[0]["data"].tensor[0, 2:].abs().sum()) == 0.0  # padded after its 2 real frames
