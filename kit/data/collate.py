@@ -241,15 +241,18 @@ def _plan(
     dtype = spec.dtype if spec is not None else flat.dtype
     if not has_time:
         return _Plan(key, flat, spec, (len(arrays), *flat.shape[1:]), dtype, None, True)
-    lengths = known_lengths
-    total = int(lengths.sum()) if lengths is not None and len(lengths) == len(arrays) else -1
-    if total != flat.shape[0]:
-        lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int32, count=len(arrays))  # tensors too
-        total = flat.shape[0]
-    assert lengths is not None
-    time = int(lengths.max())
-    full = total == time * len(arrays)  # every row as long as the longest: no padding
+    lengths, time, full = _time_layout(arrays, flat, known_lengths)
     return _Plan(key, flat, spec, (len(arrays), time, *flat.shape[1:]), dtype, lengths, full)
+
+
+def _time_layout(arrays: list[Any], flat: np.ndarray, known: np.ndarray | None) -> tuple[np.ndarray, int, bool]:
+    """(lengths, longest, whether no row is padded): the ``known`` lengths when they add up to the frames."""
+    total = int(known.sum()) if known is not None and len(known) == len(arrays) else -1
+    if known is None or total != flat.shape[0]:
+        known = np.fromiter((a.shape[0] for a in arrays), dtype=np.int32, count=len(arrays))  # tensors too
+        total = flat.shape[0]
+    time = int(known.max())
+    return known, time, total == time * len(arrays)
 
 
 def _join(arrays: list[Any], has_time: bool) -> np.ndarray | None:
