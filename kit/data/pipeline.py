@@ -213,17 +213,20 @@ class Pipeline:
         order = self._order(epoch)
         if not len(order):
             raise DataError(f"dataset {name}: epoch {epoch} has no sequences (partition_epoch / seq_indices)")
-        self._entries = self._plan_entries(order, epoch, name)
-        lens = batching.span_lengths(self._entries.seq_idx, self._entries.spans, self._seq_lengths())
-        self._ranges = batching.plan_batches(lens, len(self._entries), self.batch_size, self.max_seqs)
-        self._fracs = batching.complete_fracs(order, self._entries.seq_idx, self._ranges)
+        entries = self._plan_entries(order, epoch, name)
+        lens = batching.span_lengths(entries.seq_idx, entries.spans, self._seq_lengths())
+        ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
+        self._entries, self._ranges = entries, ranges
+        self._fracs = batching.complete_fracs(order, entries.seq_idx, ranges)
         self.epoch, self.position = epoch, 0
 
     def _plan_entries(self, order: np.ndarray, epoch: int, name: str) -> batching.EpochEntries:
         """``order`` filtered by length and cut into chunks, with numpy operations over the whole epoch."""
         if len(order) and (int(order.min()) < 0 or int(order.max()) >= len(self.dataset)):
             bad = order[(order < 0) | (order >= len(self.dataset))][:5].tolist()
-            raise DataError(f"dataset {name}: epoch {epoch}'s order has indices {bad} out of range [0, {len(self.dataset)})")
+            raise DataError(
+                f"dataset {name}: epoch {epoch}'s order has indices {bad} out of range [0, {len(self.dataset)})"
+            )
         lengths = self._seq_lengths()
         kept = batching.length_filter(order, lengths, self.min_seq_length, self.max_seq_length)
         if not len(kept):
