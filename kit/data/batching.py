@@ -263,6 +263,8 @@ def plan_batches(
     per_batch = min(min(lim / max(float(col.mean()), 1.0) for col, lim in cols), max_seqs)
     if per_batch >= WINDOWED_FROM:
         return _greedy_windows(cols, num_entries, max_seqs, int(per_batch))
+    if len(cols) == 1:
+        return _greedy_loop_one(cols[0][0].tolist(), cols[0][1], num_entries, max_seqs)
     return _greedy_loop([(col.tolist(), lim) for col, lim in cols], num_entries, max_seqs)
 
 
@@ -297,6 +299,22 @@ def _greedy_windows(
         ranges.append((start, start + n))
         start += n
         window = max(guess, 2 * n)
+    return ranges
+
+
+def _greedy_loop_one(col: list[int], limit: int, num_entries: int, max_seqs: int) -> list[tuple[int, int]]:
+    """The greedy rule for one column (an int ``batch_size``), entry by entry."""
+    ranges, start, longest = [], 0, 0
+    for j in range(num_entries):
+        length = col[j]
+        n = j - start
+        if n and (n >= max_seqs or max(longest, length) * (n + 1) > limit):
+            ranges.append((start, j))
+            start, longest = j, 0
+        if length > longest:
+            longest = length
+    if num_entries > start:
+        ranges.append((start, num_entries))
     return ranges
 
 
