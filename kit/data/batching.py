@@ -258,48 +258,15 @@ def plan_batches(
         return []
     if all(int(col.max()) * min(max_seqs, num_entries) <= lim for col, lim in cols):
         return _fixed_size(num_entries, max_seqs)  # no frame budget binds
-    # a batch's cost, max length so far × entries, only grows along the order: one binary search finds
-    # where a batch ends; for small batches the plain loop is cheaper than the numpy calls per batch
-    per_batch = min(min(lim / max(float(col.mean()), 1.0) for col, lim in cols), max_seqs)
-    if per_batch >= WINDOWED_FROM:
-        return _greedy_windows(cols, num_entries, max_seqs, int(per_batch))
-    if len(cols) == 1:
+    if len(cols) == 1:  # a plain loop: a few tens of ns per entry, cheaper than numpy calls per batch
         return _greedy_loop_one(cols[0][0].tolist(), cols[0][1], num_entries, max_seqs)
     return _greedy_loop([(col.tolist(), lim) for col, lim in cols], num_entries, max_seqs)
-
-
-WINDOWED_FROM = 24  # expected entries per batch from which batch ends are searched with numpy
 
 
 def _fixed_size(num_entries: int, max_seqs: int) -> list[tuple[int, int]]:
     """Batches of ``max_seqs`` entries: the greedy plan when no frame budget binds, without its loop."""
     starts = range(0, num_entries, max_seqs)
     return list(zip(starts, [*starts[1:], num_entries]))
-
-
-def _greedy_windows(
-    cols: list[tuple[np.ndarray, int]], num_entries: int, max_seqs: int, guess: int
-) -> list[tuple[int, int]]:
-    """The greedy rule, batch by batch: entry ``m`` of a batch fits while ``cummax(len)[m] × (m + 1) <= limit``
-    (non-decreasing in ``m``), so the batch's size is a ``searchsorted`` over a window of the entries."""
-    ranges, start, window = [], 0, max(guess, 8)
-    while start < num_entries:
-        cap = min(max_seqs, num_entries - start)
-        while True:
-            w = min(window, cap)
-            times = np.arange(1, w + 1, dtype=np.int64)
-            n = w
-            for col, lim in cols:
-                cost = np.maximum.accumulate(col[start : start + w]) * times
-                n = min(n, int(np.searchsorted(cost, lim, side="right")))
-            if n < w or w == cap:
-                break
-            window *= 2  # every entry of the window fits: look further
-        n = max(n, 1)  # an entry over the budget on its own is a batch of one
-        ranges.append((start, start + n))
-        start += n
-        window = max(guess, 2 * n)
-    return ranges
 
 
 def _greedy_loop_one(col: list[int], limit: int, num_entries: int, max_seqs: int) -> list[tuple[int, int]]:

@@ -113,7 +113,7 @@ def greedy(cols, max_seqs):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_large_and_per_key_batches_follow_the_greedy_rule(seed):
-    """Batches of many entries are planned by a binary search per batch: the same ranges as the loop."""
+    """Large batches, oversize entries and two per-key limits: the ranges of the plain greedy rule."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(200, 2000))
     data, classes = rng.integers(1, 60, n), rng.integers(0, 30, n)
