@@ -16,8 +16,9 @@ import itertools
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,23 +43,23 @@ def per_key(value: int | Mapping[str, int] | None, keys: Sequence[str], name: st
 
 
 def length_filter(
-    order: Sequence[int],
+    order: Sequence[int] | np.ndarray,
     lengths: Mapping[str, np.ndarray],
     min_seq_length: Any = None,
     max_seq_length: Any = None,
-) -> list[int]:
-    """Keep the sequences whose every limited key lies in ``[min, max]`` (RETURNN's LenFilter)."""
+) -> np.ndarray:
+    """The int64 order without the sequences outside ``[min, max]`` for some limited key (RETURNN's LenFilter)."""
     keys = list(lengths)
     lo, hi = per_key(min_seq_length, keys, "min_seq_length"), per_key(max_seq_length, keys, "max_seq_length")
-    if not lo and not hi:
-        return list(order)
     idx = np.asarray(order, dtype=np.int64)
+    if not lo and not hi:
+        return idx
     keep = np.ones(len(idx), dtype=bool)
     for k, v in lo.items():
         keep &= lengths[k][idx] >= v
     for k, v in hi.items():
         keep &= lengths[k][idx] <= v
-    return idx[keep].tolist()
+    return idx[keep]
 
 
 def parse_chunking(chunking: Any, time_keys: Sequence[str]) -> tuple[dict[str, int], dict[str, int]]:
@@ -94,32 +95,68 @@ def chunk_entries(
     min_chunk_size: Any = None,
     tag_of: Any = None,
 ) -> list[Entry]:
-    """Entries for ``order``: whole sequences, or RETURNN's chunks.
+    """Entries for ``order``: whole sequences, or RETURNN's chunks (see :func:`chunk_arrays`)."""
+    seq_idx, spans = chunk_arrays(np.asarray(order, dtype=np.int64), lengths, sizes, steps, min_chunk_size, tag_of)
+    return entries_of(seq_idx, spans)
+
+
+def chunk_arrays(
+    order: np.ndarray,
+    lengths: Mapping[str, np.ndarray],
+    sizes: Mapping[str, int],
+    steps: Mapping[str, int],
+    min_chunk_size: Any = None,
+    tag_of: Any = None,
+) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """The entries of ``order`` as arrays: (sequence index per entry, chunked key → (start, end) per entry).
 
     For each chunked key the chunks start at ``0, step, 2 step, ...`` below the length
     and are ``size`` long (the last ones shorter); chunks shorter than
     ``min_chunk_size`` are dropped. All chunked keys must give the same number of chunks.
+    Without chunking the entries are the order itself and the spans are empty.
     """
+    order = order.astype(np.int64, copy=False)
     if not sizes:
-        ints = order.tolist() if isinstance(order, np.ndarray) else [int(i) for i in order]
-        return list(zip(ints, itertools.repeat(None)))
+        return order, {}
     mins = per_key(min_chunk_size, list(sizes), "min_chunk_size") if min_chunk_size else {}
-    out: list[Entry] = []
-    for i in order:
-        per_key_spans = []
-        for k in sizes:
-            n, size, step, lo = int(lengths[k][i]), sizes[k], steps[k], mins.get(k, 0)
-            spans = [(k, s, min(s + size, n)) for s in range(0, n, step) if min(s + size, n) - s >= lo]
-            per_key_spans.append(spans)
-        counts = {len(s) for s in per_key_spans}
-        if len(counts) > 1:
-            tag = tag_of(i) if tag_of else f"seq-{i}"
-            raise DataError(
-                f"chunking of sequence {tag!r}: the keys give different numbers of chunks "
-                f"{ {k: len(s) for k, s in zip(sizes, per_key_spans)} }; adjust the per-key sizes/steps"
-            )
-        out.extend((int(i), spans) for spans in zip(*per_key_spans))
-    return out
+    counts = {k: _chunk_counts(lengths[k][order], sizes[k], steps[k], mins.get(k, 0)) for k in sizes}
+    first = next(iter(counts.values()))
+    bad = np.flatnonzero(np.any([c != first for c in counts.values()], axis=0))
+    if len(bad):
+        i = int(order[bad[0]])
+        tag = tag_of(i) if tag_of else f"seq-{i}"
+        raise DataError(
+            f"chunking of sequence {tag!r}: the keys give different numbers of chunks "
+            f"{ {k: int(c[bad[0]]) for k, c in counts.items()} }; adjust the per-key sizes/steps"
+        )
+    seq_idx = np.repeat(order, first)
+    firsts = np.cumsum(first) - first  # each sequence's first entry
+    chunk = np.arange(len(seq_idx), dtype=np.int64) - np.repeat(firsts, first)  # chunk number in its sequence
+    spans = {}
+    for k in sizes:
+        start = chunk * steps[k]
+        spans[k] = (start, np.minimum(start + sizes[k], lengths[k][seq_idx]))
+    return seq_idx, spans
+
+
+def _chunk_counts(n: np.ndarray, size: int, step: int, min_size: int) -> np.ndarray:
+    """Chunks per sequence of length ``n``: the starts ``s < n`` (multiples of ``step``) whose chunk
+    ``min(s + size, n) - s`` is at least ``min_size`` long, i.e. ``s <= n - max(min_size, 1)``."""
+    if size < min_size:
+        return np.zeros(len(n), dtype=np.int64)
+    last = n.astype(np.int64) - max(min_size, 1)
+    return np.where(last >= 0, last // step + 1, 0)
+
+
+def entries_of(seq_idx: np.ndarray, spans: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> list[Entry]:
+    """The arrays of :func:`chunk_arrays` as ``(seq_idx, spans)`` tuples."""
+    ints = seq_idx.tolist()
+    if not spans:
+        return list(zip(ints, itertools.repeat(None)))
+    per_key = [
+        [(k, s, e) for s, e in zip(start.tolist(), end.tolist())] for k, (start, end) in spans.items()
+    ]
+    return list(zip(ints, zip(*per_key)))
 
 
 def has_spans(entries: Sequence[Entry]) -> bool:
@@ -127,17 +164,74 @@ def has_spans(entries: Sequence[Entry]) -> bool:
     return list(map(itemgetter(1), entries)).count(None) != len(entries)
 
 
-def entry_lengths(entries: Sequence[Entry], lengths: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Per-key time length of each entry (chunk lengths for chunked keys)."""
-    idx = np.fromiter(map(itemgetter(0), entries), dtype=np.int64, count=len(entries))
-    out = {k: v[idx] for k, v in lengths.items()}  # fancy indexing: copies
-    if not has_spans(entries):
-        return out
-    for j, (_, spans) in enumerate(entries):
-        if spans is not None:
-            for k, s, e in spans:
-                out[k][j] = e - s
+def span_lengths(
+    seq_idx: np.ndarray, spans: Mapping[str, tuple[np.ndarray, np.ndarray]], lengths: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Per-key time length of each entry of :func:`chunk_arrays` (chunk lengths for chunked keys)."""
+    out = {k: v[seq_idx] for k, v in lengths.items()}
+    for k, (start, end) in spans.items():
+        out[k] = end - start
     return out
+
+
+class PlannedBatch(NamedTuple):
+    """What loading one planned batch needs (a worker gets only this): its sequences and chunk spans."""
+
+    idx: np.ndarray  # int64 [B]: the entries' sequence indices
+    spans: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]  # chunked key -> (rows, start, end)
+
+    @classmethod
+    def from_entries(cls, entries: Sequence[Entry]) -> PlannedBatch:
+        idx = np.fromiter(map(itemgetter(0), entries), dtype=np.int64, count=len(entries))
+        if not has_spans(entries):
+            return cls(idx, {})
+        per_key: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        for row, (_, spans) in enumerate(entries):
+            for key, start, end in spans or ():
+                rows, starts, ends = per_key.setdefault(key, ([], [], []))
+                rows.append(row)
+                starts.append(start)
+                ends.append(end)
+        as_arrays = {k: tuple(np.array(x, dtype=np.int64) for x in v) for k, v in per_key.items()}
+        return cls(idx, as_arrays)  # type: ignore[arg-type]  # tuples of three arrays
+
+
+@dataclass(frozen=True)
+class EpochEntries:
+    """One epoch's entries as arrays; the batches are ``[start, end)`` ranges over them."""
+
+    seq_idx: np.ndarray  # int64 [E]: the sequence of each entry
+    spans: dict[str, tuple[np.ndarray, np.ndarray]]  # chunked key -> (start, end) [E]; empty: whole sequences
+
+    def __len__(self) -> int:
+        return len(self.seq_idx)
+
+    def batch(self, start: int, end: int) -> PlannedBatch:
+        """The entries ``[start, end)`` as one batch to load."""
+        if not self.spans:
+            return PlannedBatch(self.seq_idx[start:end], {})
+        rows = np.arange(end - start, dtype=np.int64)
+        cut = {k: (rows, s[start:end], e[start:end]) for k, (s, e) in self.spans.items()}
+        return PlannedBatch(self.seq_idx[start:end], cut)
+
+    def entries(self, ranges: Sequence[tuple[int, int]]) -> list[list[Entry]]:
+        """The batches ``ranges`` as lists of ``(seq_idx, spans)`` entries."""
+        flat = entries_of(self.seq_idx, self.spans)
+        return [flat[a:b] for a, b in ranges]
+
+
+def complete_fracs(order: np.ndarray, seq_idx: np.ndarray, ranges: Sequence[tuple[int, int]]) -> list[float]:
+    """RETURNN's ``complete_frac`` of each batch: (position of its last sequence in the epoch's order + 1)
+    / sequences in the order, as float32 (RETURNN passes it through a float32 array); 1.0 for the last
+    batch, also when length filtering removed the order's final sequences (the loop's end marker)."""
+    if not ranges:
+        return []
+    where = np.empty(int(order.max()) + 1, dtype=np.int64)
+    where[order] = np.arange(len(order))
+    ends = np.fromiter(map(itemgetter(1), ranges), dtype=np.int64, count=len(ranges))
+    fracs = ((where[seq_idx[ends - 1]] + 1) / len(order)).astype(np.float32).tolist()
+    fracs[-1] = 1.0
+    return fracs
 
 
 def plan_batches(
@@ -159,35 +253,24 @@ def plan_batches(
     by_limit: dict[int, list[str]] = {}
     for k, v in limits.items():
         by_limit.setdefault(v, []).append(k)
-    cols = [(np.max(np.stack([lens[k] for k in ks]), axis=0).tolist(), lim) for lim, ks in by_limit.items()]
-    if not cols:
-        return _fixed_size(num_entries, max_seqs)
-    if len(cols) == 1:
-        return _plan_one_limit(cols[0][0], cols[0][1], num_entries, max_seqs)
-    ranges, start, maxima = [], 0, [0] * len(cols)
-    for j in range(num_entries):
-        n = j - start
-        if n:
-            fits = n < max_seqs and all(
-                max(m, col[j]) * (n + 1) <= lim for m, (col, lim) in zip(maxima, cols)
-            )
-            if not fits:
-                ranges.append((start, j))
-                start, maxima = j, [0] * len(cols)
-        maxima = [max(m, col[j]) for m, (col, _) in zip(maxima, cols)]
-    if num_entries > start:
-        ranges.append((start, num_entries))
-    return ranges
+    cols = [(np.max(np.stack([lens[k] for k in ks]), axis=0).astype(np.int64), lim) for lim, ks in by_limit.items()]
+    if num_entries == 0:
+        return []
+    if all(int(col.max()) * min(max_seqs, num_entries) <= lim for col, lim in cols):
+        return _fixed_size(num_entries, max_seqs)  # no frame budget binds
+    if len(cols) == 1:  # a plain loop: a few tens of ns per entry, cheaper than numpy calls per batch
+        return _greedy_loop_one(cols[0][0].tolist(), cols[0][1], num_entries, max_seqs)
+    return _greedy_loop([(col.tolist(), lim) for col, lim in cols], num_entries, max_seqs)
 
 
 def _fixed_size(num_entries: int, max_seqs: int) -> list[tuple[int, int]]:
     """Batches of ``max_seqs`` entries: the greedy plan when no frame budget binds, without its loop."""
-    return [(a, min(a + max_seqs, num_entries)) for a in range(0, num_entries, max_seqs)]
+    starts = range(0, num_entries, max_seqs)
+    return list(zip(starts, [*starts[1:], num_entries]))
 
 
-def _plan_one_limit(col: list[int], limit: int, num_entries: int, max_seqs: int) -> list[tuple[int, int]]:
-    if num_entries and max(col) * min(max_seqs, num_entries) <= limit:
-        return _fixed_size(num_entries, max_seqs)  # the frame budget never binds
+def _greedy_loop_one(col: list[int], limit: int, num_entries: int, max_seqs: int) -> list[tuple[int, int]]:
+    """The greedy rule for one column (an int ``batch_size``), entry by entry."""
     ranges, start, longest = [], 0, 0
     for j in range(num_entries):
         length = col[j]
@@ -197,6 +280,21 @@ def _plan_one_limit(col: list[int], limit: int, num_entries: int, max_seqs: int)
             start, longest = j, 0
         if length > longest:
             longest = length
+    if num_entries > start:
+        ranges.append((start, num_entries))
+    return ranges
+
+
+def _greedy_loop(cols: list[tuple[list[int], int]], num_entries: int, max_seqs: int) -> list[tuple[int, int]]:
+    ranges, start, maxima = [], 0, [0] * len(cols)
+    for j in range(num_entries):
+        n = j - start
+        if n:
+            fits = n < max_seqs and all(max(m, col[j]) * (n + 1) <= lim for m, (col, lim) in zip(maxima, cols))
+            if not fits:
+                ranges.append((start, j))
+                start, maxima = j, [0] * len(cols)
+        maxima = [max(m, col[j]) for m, (col, _) in zip(maxima, cols)]
     if num_entries > start:
         ranges.append((start, num_entries))
     return ranges

@@ -193,7 +193,12 @@ class Dataset:
         RETURNN, the order depends on the epoch, ``fixed_random_seed`` and ``random_seed_offset``.
         """
         del random_seed
-        return ordering.seq_order(
+        return self.seq_order_array(epoch, seq_ordering=seq_ordering).tolist()
+
+    def seq_order_array(self, epoch: int, *, seq_ordering: Any = None) -> np.ndarray:
+        """:meth:`get_seq_order` of this class as an int64 array (the pipeline's planning reads this
+        when a subclass keeps ``get_seq_order`` as it is)."""
+        return ordering.seq_order_array(
             seq_ordering or self.seq_ordering,
             num_seqs=self.num_seqs,
             epoch=epoch,
@@ -368,12 +373,26 @@ class TorchDataset(Dataset):
         instead of converting every item to numpy first.
         """
         idx = self._check_index(idx)
-        return _check_seq(self.dataset[idx], lambda: f"{self.describe()} item {idx}", convert=False)
+        return self.check_item(self.dataset[idx], idx)
+
+    def check_item(self, item: Any, idx: int) -> dict[str, Any]:
+        """``item``, the wrapped dataset's item ``idx``, as a dict with str keys (DataError naming it if not)."""
+        return _check_seq(item, lambda: f"{self.describe()} item {idx}", convert=False)
 
     def get_seq_length(self, idx: int) -> dict[str, int]:
         if self._given_lengths is None:
             return super().get_seq_length(idx)
         return dict(self._given_lengths[self._check_index(idx)])
+
+    @property
+    def lengths_from_items(self) -> bool:
+        """Whether ``seq_lengths()`` reads the items' own lengths (no ``lengths=`` given, nothing overridden)."""
+        cls = type(self)
+        return self._given_lengths is None and all(
+            getattr(cls, name) is getattr(base, name)
+            for name, base in (("get_seq_length", TorchDataset), ("seq_lengths", Dataset), ("get_seq", TorchDataset),
+                               ("get_item", TorchDataset))
+        )
 
 
 def from_torch_dataset(dataset: Any, **opts: Any) -> TorchDataset:

@@ -204,10 +204,24 @@ def layout_ok(spec: DataSpec, a: np.ndarray) -> bool:
     return a.dtype == spec.dtype or kind_ok(spec, a.dtype)
 
 
+_ACCEPTED_KINDS = {"f": "f", "i": "iu", "u": "iu", "b": "b", "c": "c"}  # declared kind -> accepted kinds
+
+
 def kind_ok(spec: DataSpec, dtype: np.dtype) -> bool:
     """Whether arrays of ``dtype`` are accepted for ``spec`` (and cast to its dtype): same kind of number."""
-    kinds = {"f": "f", "i": "iu", "u": "iu", "b": "b", "c": "c"}.get(spec.dtype.kind, spec.dtype.kind)
-    return dtype.kind in kinds
+    return dtype.kind in _ACCEPTED_KINDS.get(spec.dtype.kind, spec.dtype.kind)
+
+
+def labels_in_range(a: np.ndarray, sparse_dim: int) -> bool:
+    """Whether every label of ``a`` lies in ``[0, sparse_dim)``; one reduction for integer arrays
+    (viewed as unsigned, a negative label is a huge one)."""
+    if not a.size:
+        return True
+    if a.dtype.kind == "i":
+        return int(a.view(f"u{a.dtype.itemsize}").max()) < sparse_dim
+    if a.dtype.kind == "u":
+        return int(a.max()) < sparse_dim
+    return bool(a.min() >= 0 and a.max() < sparse_dim)
 
 
 def make_extern_data(spec: Any) -> ExternData | None:

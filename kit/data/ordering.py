@@ -235,14 +235,34 @@ def seq_order(
     order further, RETURNN's way: part ``((epoch - 1) % P) * num_shards + shard_index`` of
     ``P * num_shards`` parts.
     """
+    return seq_order_array(
+        method, num_seqs=num_seqs, epoch=epoch, seq_len=seq_len, random_seed=random_seed,
+        partition_epoch=partition_epoch, fixed_random_seed=fixed_random_seed, num_shards=num_shards,
+        shard_index=shard_index,
+    ).tolist()
+
+
+def seq_order_array(
+    method: Any,
+    *,
+    num_seqs: int,
+    epoch: int,
+    seq_len: Callable[[], np.ndarray],
+    random_seed: int = 0,
+    partition_epoch: int = 1,
+    fixed_random_seed: int | None = None,
+    num_shards: int = 1,
+    shard_index: int = 0,
+) -> np.ndarray:
+    """:func:`seq_order` as an int64 array (what the pipeline plans with)."""
     if epoch < 1:
         raise ValueError(f"epochs count from 1, got epoch={epoch}")
     if num_seqs <= 0:
-        return []
+        return np.zeros(0, dtype=np.int64)
     full_epoch = (epoch - 1) // partition_epoch + 1
     order = full_order(method, num_seqs, full_epoch, seq_len, random_seed, fixed_random_seed=fixed_random_seed)
     parts = partition_epoch * num_shards
     if parts == 1:
-        return order.tolist()
+        return order.astype(np.int64, copy=False)
     start, end = partition_bounds(len(order), parts, ((epoch - 1) % partition_epoch) * num_shards + shard_index)
-    return order[start:end].tolist()
+    return order[start:end].astype(np.int64, copy=False)

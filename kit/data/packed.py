@@ -126,13 +126,10 @@ def fill_padded(
     batch, time = out.shape[:2]
     if full is None:
         full = bool((lengths == time).all())
-    if full and time == 1:  # one frame per row: a gather of rows
-        _take(data, starts, out.reshape(batch, *out.shape[2:]))
+    if full:
+        fill_full(out, data, starts)
         return
     pos = np.arange(time)
-    if full:  # no padding: one gather straight into out
-        _take(data, starts[:, None] + pos, out)
-        return
     if zero_padding:
         out.fill(0)
     if int(lengths.sum()) > LONG_ROWS * batch:  # long rows: a copy per row beats an index per frame
@@ -141,6 +138,15 @@ def fill_padded(
         return
     mask = pos < lengths[:, None]
     out[mask] = data[(starts[:, None] + pos)[mask]]
+
+
+def fill_full(out: np.ndarray, data: np.ndarray, starts: np.ndarray) -> None:
+    """``out[b] = data[starts[b] : starts[b] + T]`` for rows that all have ``T = out.shape[1]`` frames."""
+    batch, time = out.shape[:2]
+    if time == 1:  # one frame per row: a gather of rows
+        _take(data, starts, out.reshape(batch, *out.shape[2:]))
+    else:  # no padding: one gather straight into out
+        _take(data, starts[:, None] + np.arange(time), out)
 
 
 LONG_ROWS = 12  # mean frames per row above which fill_padded copies row by row (measured crossover)
@@ -153,6 +159,6 @@ def fill_rows(out: np.ndarray, data: np.ndarray, idx: np.ndarray) -> None:
 
 def _take(data: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
     if data.dtype == out.dtype:
-        np.take(data, index, axis=0, out=out, mode="clip")  # indices are in range; "clip" avoids a buffer
+        data.take(index, axis=0, out=out, mode="clip")  # indices are in range; "clip" avoids a buffer
     else:
         out[...] = data[index]  # the declared dtype (same kind): cast on assignment

@@ -14,7 +14,6 @@ or in worker processes that return exactly the same batches in the same order.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -105,19 +104,16 @@ class Pipeline:
         opts = dict(dataloader_opts or {})
         self.num_workers = int(num_workers or opts.pop("num_workers", 0) or 0)
         opts.pop("num_workers", None)
-        self._loader = BatchLoader(
-            self.dataset, self.extern_data, chunked=None if self.chunking not in (None, 0, False) else False
-        )
+        self._loader = BatchLoader(self.dataset, self.extern_data)
         self._pool: WorkerPool | None = None
         self._pool_opts = opts
         if self.num_workers > 0:
             check_picklable(self._loader, self.num_workers, _describe(self.dataset))
             self._pool = WorkerPool(self._loader, self.num_workers, opts)
         self._lengths: dict[str, np.ndarray] | None = None
-        self._entries: list[batching.Entry] = []
-        self._seq_idx = np.zeros(0, dtype=np.int64)  # the entries' sequence indices
-        self._ranges: list[tuple[int, int]] | None = None
-        self._fracs: list[float] = []
+        self._entries = batching.EpochEntries(np.zeros(0, dtype=np.int64), {})
+        self._ranges: list[tuple[int, int]] | None = None  # the batches (a sharding subclass keeps its share)
+        self._fracs: list[float] = []  # RETURNN's complete_frac after each batch
         self._iter: Iterator[Batch] | None = None
         self.epoch = 0
         self.position = 0
@@ -168,7 +164,7 @@ class Pipeline:
             self._lengths = lengths
         return self._lengths
 
-    def _order(self, epoch: int) -> list[int]:
+    def _order(self, epoch: int) -> np.ndarray:
         ds = self.dataset
         n = len(ds)
         # RETURNN's order seed: the dataset's offset (kit's older name: random_seed), not the config's random_seed
@@ -184,13 +180,15 @@ class Pipeline:
                 )
             lens = lambda: ordering_lengths(self._seq_lengths())  # noqa: E731
             full = ordering.full_order(method, n, epoch, lens, seed, fixed_random_seed=fixed)
-            wanted = set(self.seq_indices)
-            return [int(i) for i in full if i in wanted]
+            return full[np.isin(full, self.seq_indices)].astype(np.int64, copy=False)
         if isinstance(ds, Dataset):
-            return ds.get_seq_order(epoch, seq_ordering=self.seq_ordering, random_seed=self.random_seed)
+            if type(ds).get_seq_order is Dataset.get_seq_order:
+                return ds.seq_order_array(epoch, seq_ordering=self.seq_ordering)
+            order = ds.get_seq_order(epoch, seq_ordering=self.seq_ordering, random_seed=self.random_seed)
+            return np.asarray(order, dtype=np.int64)
         if self.seq_ordering is None:
-            return list(ds.get_seq_order(epoch))
-        return ordering.seq_order(
+            return np.asarray(list(ds.get_seq_order(epoch)), dtype=np.int64)
+        return ordering.seq_order_array(
             method,
             num_seqs=n,
             epoch=epoch,
@@ -213,35 +211,43 @@ class Pipeline:
                 f"dataset {name} is empty (0 sequences): nothing to {'train' if self.train else 'evaluate'} on"
             )
         order = self._order(epoch)
-        if not order:
+        if not len(order):
             raise DataError(f"dataset {name}: epoch {epoch} has no sequences (partition_epoch / seq_indices)")
+        entries = self._plan_entries(order, epoch, name)
+        lens = batching.span_lengths(entries.seq_idx, entries.spans, self._seq_lengths())
+        ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
+        self._entries, self._ranges = entries, ranges
+        self._fracs = batching.complete_fracs(order, entries.seq_idx, ranges)
+        self.epoch, self.position = epoch, 0
+
+    def _plan_entries(self, order: np.ndarray, epoch: int, name: str) -> batching.EpochEntries:
+        """``order`` filtered by length and cut into chunks, with numpy operations over the whole epoch."""
+        if len(order) and (int(order.min()) < 0 or int(order.max()) >= len(self.dataset)):
+            bad = order[(order < 0) | (order >= len(self.dataset))][:5].tolist()
+            raise DataError(
+                f"dataset {name}: epoch {epoch}'s order has indices {bad} out of range [0, {len(self.dataset)})"
+            )
         lengths = self._seq_lengths()
-        time_keys = list(lengths)
         kept = batching.length_filter(order, lengths, self.min_seq_length, self.max_seq_length)
-        if not kept:
+        if not len(kept):
             raise DataError(
                 f"dataset {name}: all {len(order)} sequences of epoch {epoch} were removed by "
                 f"min_seq_length={self.min_seq_length!r} / max_seq_length={self.max_seq_length!r}"
             )
-        sizes, steps = batching.parse_chunking(self.chunking, time_keys)
-        entries = batching.chunk_entries(
+        sizes, steps = batching.parse_chunking(self.chunking, list(lengths))
+        seq_idx, spans = batching.chunk_arrays(
             kept, lengths, sizes, steps, self.min_chunk_size, self.dataset.get_seq_tag
         )
-        if not entries:
+        if not len(seq_idx):
             raise DataError(
                 f"dataset {name}: min_chunk_size={self.min_chunk_size!r} removed every chunk of epoch {epoch}"
             )
-        lens = batching.entry_lengths(entries, lengths)
-        self._entries = entries
-        self._seq_idx = np.fromiter(map(itemgetter(0), entries), dtype=np.int64, count=len(entries))
-        self._ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
-        self._fracs = _complete_fracs(order, self._seq_idx, self._ranges)
-        self.epoch, self.position = epoch, 0
+        return batching.EpochEntries(seq_idx, spans)
 
     def _renew_dataset_state(self) -> None:
         """The dataset's sequences changed for this epoch (``Dataset.init_epoch``): drop what was read of them."""
         self._lengths = None
-        self._loader = BatchLoader(self.dataset, self.extern_data, chunked=self._loader.chunked)
+        self._loader = BatchLoader(self.dataset, self.extern_data)
         if self._pool is not None:  # persistent workers hold a copy of the old dataset state
             self._pool.close()
             self._pool = WorkerPool(self._loader, self.num_workers, self._pool_opts)
@@ -262,7 +268,7 @@ class Pipeline:
 
     def plan(self) -> list[list[batching.Entry]]:
         """The current epoch's batches as lists of ``(seq_idx, spans)`` entries (see batching)."""
-        return [self._entries[a:b] for a, b in self._ensure_planned()]
+        return self._entries.entries(self._ensure_planned())
 
     # ---- iteration -------------------------------------------------------------------
 
@@ -271,20 +277,18 @@ class Pipeline:
 
     def __next__(self) -> Batch:
         ranges = self._ensure_planned()
-        if self.position >= len(ranges):
+        b = self.position
+        if b >= len(ranges):
             self._drop_iter()
             raise StopIteration
         if self._pool is None:
-            a, b = ranges[self.position]
-            batch = self._loader.load(self._entries[a:b], self._seq_idx[a:b])
+            batch = self._loader.load_planned(self._entries.batch(*ranges[b]))
         else:
             if self._iter is None:
-                items = [(i, self._entries[a:b]) for i, (a, b) in enumerate(ranges)][self.position :]
-                self._iter = self._pool.start(items)
+                self._iter = self._pool.start([(i, self._entries.batch(*ranges[i])) for i in range(b, len(ranges))])
             batch = next(self._iter)
-        batch.epoch, batch.batch_idx = self.epoch, self.position
-        self.position += 1
-        batch.complete_frac = self._fracs[self.position - 1]
+        batch.epoch, batch.batch_idx, batch.complete_frac = self.epoch, b, self._fracs[b]
+        self.position = b + 1
         return batch
 
     def _drop_iter(self) -> None:
@@ -360,16 +364,3 @@ def batches(
     pipe = Pipeline.from_config(dataset, config, train=train, **extra)
     pipe.set_epoch(epoch)
     return pipe
-
-
-def _complete_fracs(order: Sequence[int], seq_idx: np.ndarray, ranges: Sequence[tuple[int, int]]) -> list[float]:
-    """RETURNN's ``complete_frac`` of each batch: (position of its last sequence in the epoch's order + 1)
-    / sequences in the order, as float32 (RETURNN passes it through a float32 array); 1.0 for the last
-    batch, also when length filtering removed the order's final sequences (the loop's end marker)."""
-    order_arr = np.asarray(order, dtype=np.int64)
-    where = np.empty(int(order_arr.max()) + 1, dtype=np.int64)
-    where[order_arr] = np.arange(len(order_arr))
-    fracs = [float(np.float32((where[seq_idx[b - 1]] + 1) / len(order_arr))) for _, b in ranges]
-    if fracs:
-        fracs[-1] = 1.0
-    return fracs

@@ -1,7 +1,7 @@
 """Worker processes that load and collate planned batches (``torch_dataloader_opts``).
 
 The main process owns the plan; a ``DataLoader(batch_size=None)`` gets, through its
-sampler, ``(batch_idx, entries)`` items from the current position on and returns
+sampler, ``(batch_idx, PlannedBatch)`` items from the current position on and returns
 collated batches in the same order. Nothing is split per worker, so nothing is
 duplicated (RETURNN iterates the whole dataset in every worker).
 """
@@ -15,7 +15,7 @@ from typing import Any
 import torch.utils.data
 
 from kit.data.batch import Batch
-from kit.data.batching import Entry
+from kit.data.batching import PlannedBatch
 from kit.data.collate import BatchLoader
 from kit.errors import ConfigError, DataError
 
@@ -28,7 +28,7 @@ class _PlanItems(torch.utils.data.Dataset):
     def __init__(self, loader: BatchLoader):
         self.loader = loader
 
-    def __getitem__(self, item: tuple[int, Sequence[Entry]]) -> Batch:
+    def __getitem__(self, item: tuple[int, PlannedBatch]) -> Batch:
         return self.loader(item)
 
 
@@ -36,9 +36,9 @@ class _PlanSampler:
     """Yields the plan items from ``start``; re-pointed by the pipeline before each ``iter()``."""
 
     def __init__(self) -> None:
-        self.items: Sequence[tuple[int, Sequence[Entry]]] = []
+        self.items: Sequence[tuple[int, PlannedBatch]] = []
 
-    def __iter__(self) -> Iterator[tuple[int, Sequence[Entry]]]:
+    def __iter__(self) -> Iterator[tuple[int, PlannedBatch]]:
         return iter(self.items)
 
     def __len__(self) -> int:
@@ -90,7 +90,7 @@ class WorkerPool:
         except TypeError as exc:
             raise ConfigError(f"torch_dataloader_opts: {exc}") from None
 
-    def start(self, items: Sequence[tuple[int, Sequence[Entry]]]) -> Iterator[Batch]:
+    def start(self, items: Sequence[tuple[int, PlannedBatch]]) -> Iterator[Batch]:
         self.sampler.items = items
         return iter(self.dataloader)
 
