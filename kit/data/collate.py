@@ -127,6 +127,10 @@ class BatchLoader:
             return raw
         return [ds.check_item(item, i) for item, i in zip(raw, idxs)]
 
+    def is_packed(self) -> bool:
+        """Whether batches are gathered from the dataset's packed storage (known after the first batch)."""
+        return isinstance(self._packed, PackedGather)
+
     def _packed_gather(self, idx: np.ndarray, tag_of: Callable[[int], str]) -> PackedGather | None:
         """The dataset's packed storage when it offers one that fits extern_data (asked once)."""
         if self._packed is False:

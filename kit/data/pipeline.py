@@ -21,6 +21,7 @@ import numpy as np
 from kit.config import Config
 from kit.config.keys import KEYS
 from kit.data import batching, ordering
+from kit.data.ahead import LoadAhead
 from kit.data.batch import Batch
 from kit.data.collate import BatchLoader
 from kit.data.dataset import Dataset, ordering_lengths
@@ -115,6 +116,7 @@ class Pipeline:
         self._ranges: list[tuple[int, int]] | None = None  # the batches (a sharding subclass keeps its share)
         self._fracs: list[float] = []  # RETURNN's complete_frac after each batch
         self._iter: Iterator[Batch] | None = None
+        self._ahead = LoadAhead()  # without workers: the next batches of a packed dataset, loaded together
         self.epoch = 0
         self.position = 0
 
@@ -248,6 +250,7 @@ class Pipeline:
         """The dataset's sequences changed for this epoch (``Dataset.init_epoch``): drop what was read of them."""
         self._lengths = None
         self._loader = BatchLoader(self.dataset, self.extern_data)
+        self._ahead.clear()
         if self._pool is not None:  # persistent workers hold a copy of the old dataset state
             self._pool.close()
             self._pool = WorkerPool(self._loader, self.num_workers, self._pool_opts)
@@ -268,7 +271,8 @@ class Pipeline:
 
     def plan(self) -> list[list[batching.Entry]]:
         """The current epoch's batches as lists of ``(seq_idx, spans)`` entries (see batching)."""
-        return self._entries.entries(self._ensure_planned())
+        ranges = self._ensure_planned()  # first: planning replaces self._entries
+        return self._entries.entries(ranges)
 
     # ---- iteration -------------------------------------------------------------------
 
@@ -282,7 +286,7 @@ class Pipeline:
             self._drop_iter()
             raise StopIteration
         if self._pool is None:
-            batch = self._loader.load_planned(self._entries.batch(*ranges[b]))
+            batch = self._ahead.load(self._loader, self._entries, ranges, b)
         else:
             if self._iter is None:
                 self._iter = self._pool.start([(i, self._entries.batch(*ranges[i])) for i in range(b, len(ranges))])
@@ -293,6 +297,7 @@ class Pipeline:
 
     def _drop_iter(self) -> None:
         self._iter = None  # a persistent DataLoader resets its workers on the next iter()
+        self._ahead.clear()
 
     # ---- state -----------------------------------------------------------------------
 

@@ -1,0 +1,171 @@
+"""Loading batches ahead (kit.data.ahead) gives exactly the batches loaded one by one."""
+
+import numpy as np
+import pytest
+import torch
+
+from kit.data import ArrayDataset, Pipeline, batches
+from kit.data import ahead as ahead_mod
+from kit.data.collate import BatchLoader
+from kit.errors import DataError
+
+SPEC = {"data": {"shape": (None, 3)}, "classes": {"shape": (None,), "sparse_dim": 5}}
+
+
+class PerSeq(ArrayDataset):
+    """The same data without packed storage (loaded through get_seq: never ahead)."""
+
+    def get_seq(self, idx):
+        return super().get_seq(idx)
+
+
+def seqs(n=300, seed=0, max_len=6):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        t = int(rng.integers(1, max_len + 1))
+        out.append({
+            "data": rng.normal(size=(t, 3)).astype(np.float64),
+            "classes": rng.integers(0, 5, t).astype(np.int32),
+            "speaker": np.array(rng.integers(0, 4)),  # 0-dim, not declared
+            "frames": rng.normal(size=(t, 2)),  # not declared, has time
+        })
+    return out
+
+
+def same(x, y):
+    assert (x.seq_idx, x.seq_tags, x.epoch, x.batch_idx, list(x)) == (y.seq_idx, y.seq_tags, y.epoch, y.batch_idx, list(y))
+    assert x.complete_frac == y.complete_frac
+    for key in x:
+        fx, fy = x[key], y[key]
+        assert fx.tensor.dtype == fy.tensor.dtype and fx.tensor.shape == fy.tensor.shape, key
+        assert torch.equal(fx.tensor, fy.tensor) and fx.sparse_dim == fy.sparse_dim, key
+        assert (fx.lengths is None) == (fy.lengths is None)
+        if fx.lengths is not None:
+            assert fx.lengths.dtype == torch.int32 and torch.equal(fx.lengths, fy.lengths)
+
+
+def one_by_one(monkeypatch, make):
+    with monkeypatch.context() as m:
+        m.setattr(ahead_mod, "MAX_BATCHES", 1)  # nothing loaded ahead
+        return make()
+
+
+def epochs(pipe, n=2):
+    out = []
+    for epoch in range(1, n + 1):
+        pipe.set_epoch(epoch)
+        out += list(pipe)
+    return out
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """How many batches the loader has loaded so far."""
+    count = [0]
+    plain = BatchLoader.load_planned
+
+    def counting(self, batch):
+        count[0] += 1
+        return plain(self, batch)
+
+    monkeypatch.setattr(BatchLoader, "load_planned", counting)
+    return count
+
+
+@pytest.mark.parametrize("extern_data", [SPEC, None])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"batch_size": 20, "max_seqs": 3, "seq_ordering": "random"},  # > 64 batches: several loads per epoch
+        {"batch_size": 30, "chunking": (3, 2)},
+        {"batch_size": 50, "chunking": ({"data": 4, "classes": 4, "frames": 4}, 4), "seq_ordering": "laplace:.10"},
+        {"batch_size": 10**6, "max_seqs": 64},
+    ],
+)
+def test_ahead_equals_one_by_one_across_epochs(monkeypatch, extern_data, opts):
+    ds = ArrayDataset(seqs())
+    assert ds.packed() is not None
+    make = lambda: epochs(Pipeline(ds, extern_data=extern_data, **opts))  # noqa: E731
+    a, b = make(), one_by_one(monkeypatch, make)
+    assert len(a) == len(b) > 2
+    for x, y in zip(a, b):
+        same(x, y)
+    plain = BatchLoader(ds, Pipeline(ds, extern_data=extern_data).extern_data)  # the loader on its own
+    pipe = Pipeline(ds, extern_data=extern_data, **opts)
+    for x, entries in zip(pipe, pipe.plan()):
+        assert torch.equal(x["data"].tensor, plain.load(entries)["data"].tensor)
+
+
+def test_batches_are_loaded_ahead_within_limits(monkeypatch, loads):
+    pipe = Pipeline(ArrayDataset(seqs()), extern_data=SPEC, batch_size=10**6, max_seqs=2)
+    n = len(pipe)
+    next(pipe)
+    assert loads[0] == ahead_mod.MAX_BATCHES  # this one and the next 63
+    for _ in range(ahead_mod.MAX_BATCHES - 1):
+        next(pipe)
+    assert loads[0] == ahead_mod.MAX_BATCHES
+    next(pipe)
+    assert loads[0] == 2 * ahead_mod.MAX_BATCHES
+    assert sum(1 for _ in pipe) == n - ahead_mod.MAX_BATCHES - 1
+    assert loads[0] == n  # never past the epoch's end, each batch loaded once
+    monkeypatch.setattr(ahead_mod, "MAX_BYTES", 1)  # a byte budget stops it too
+    pipe.set_epoch(2)
+    next(pipe)
+    assert loads[0] == n + 1  # over the budget with the batch asked for: none ahead
+
+
+def test_no_loading_ahead_without_packed_storage_or_with_workers(loads):
+    next(Pipeline(PerSeq(seqs(50)), extern_data=SPEC, batch_size=10**6, max_seqs=2))
+    assert loads[0] == 1  # first sight of per-sequence data: loaded on its turn only
+    ds = ArrayDataset(seqs(50))
+    workers = Pipeline(ds, extern_data=SPEC, batch_size=10**6, max_seqs=2, num_workers=1)
+    try:
+        pipe = Pipeline(ds, extern_data=SPEC, batch_size=10**6, max_seqs=2)
+        for x, y in zip(workers, pipe):
+            same(x, y)
+    finally:
+        workers.close()
+
+
+def test_bad_label_raises_at_its_batch_naming_its_sequence(monkeypatch):
+    data = seqs(200)
+    data[150]["classes"][0] = 7
+    ds = ArrayDataset(data, seq_tags=[f"utt{i}" for i in range(200)])
+    pipe = batches(ds, extern_data=SPEC, batch_size=10**6, max_seqs=2)
+    for b in range(75):  # batches before it come, loaded ahead around the bad one
+        assert next(pipe).seq_idx == [2 * b, 2 * b + 1]
+    with pytest.raises(DataError) as err:
+        next(pipe)
+    ref = one_by_one(monkeypatch, lambda: batches(ds, extern_data=SPEC, batch_size=10**6, max_seqs=2))
+    with pytest.raises(DataError) as ref_err:
+        list(ref)
+    assert str(err.value) == str(ref_err.value)
+    assert "'classes' in sequence 'utt150'" in str(err.value) and "label 7" in str(err.value)
+
+
+def test_resume_mid_epoch_and_set_epoch_drop_what_was_loaded_ahead(monkeypatch):
+    ds = ArrayDataset(seqs())
+    pipe = Pipeline(ds, extern_data=SPEC, batch_size=20, max_seqs=3, seq_ordering="random")
+    pipe.set_epoch(1)
+    for _ in range(10):
+        next(pipe)
+    state = pipe.state_dict()
+    pipe.set_epoch(2)  # loaded ahead in epoch 1: not given out in epoch 2
+    second = list(pipe)
+    resumed = Pipeline(ds, extern_data=SPEC, batch_size=20, max_seqs=3, seq_ordering="random")
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    ref = one_by_one(monkeypatch, lambda: epochs(
+        Pipeline(ds, extern_data=SPEC, batch_size=20, max_seqs=3, seq_ordering="random")))
+    n1 = sum(1 for x in ref if x.epoch == 1)
+    assert len(rest) == n1 - 10 and len(second) == len(ref) - n1
+    for x, y in zip(rest + second, ref[10:n1] + ref[n1:]):
+        same(x, y)
+    pipe.load_state_dict(state)  # back to epoch 1, batch 10, after loading ahead in epoch 2
+    same(next(pipe), ref[10])
+    pipe.set_epoch(1)
+    for _ in range(5):
+        next(pipe)  # batches 5.. of epoch 1 are loaded ahead
+    pipe.load_state_dict({"epoch": 2, "position": 5, "num_batches": len(pipe)})
+    same(next(pipe), ref[n1 + 5])  # epoch 2's, not epoch 1's batch 5
