@@ -251,7 +251,7 @@ class Engine:
         without the step's log line and step checkpoint.
         """
         self.ensure_training_parts()
-        p = self.progress
+        p, guard = self.progress, self.guard
         if not p.epoch_running:
             epochs.begin_epoch(self)
         if p.steps_exhausted:
@@ -266,11 +266,13 @@ class Engine:
             self.events.emit("step_begin", epoch=p.epoch, step=p.step_in_epoch, batch=batch)
         batch_dev = compute.to_device(batch, self.built_device)
         self.last_batch = batch  # a reference only: debug contexts of "step" breaks read it
-        self.guard.begin_step()
+        opts = self.step_options
+        guarded = opts.guard or guard.pending  # a guard turned off still settles the steps it holds
+        if guarded:
+            guard.begin_step()
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
             self.built_updater.optimizer.zero_grad(set_to_none=True)
-        opts = self.step_options
         lr = epochs.set_step_learning_rate(self, opts) if probe_lr is None else self.set_probe_learning_rate(probe_lr)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
@@ -286,13 +288,16 @@ class Engine:
         p.accum_count += 1
         step_losses = stack_losses(ctx.losses)
         # guard: this micro-batch's losses and the gradients so far, before any clipping
-        finite = self.guard.after_backward(step_losses, batch, rng_before=self.step_rng_state)
+        finite = guard.after_backward(step_losses, batch, rng_before=self.step_rng_state) if guarded else True
         # update when the accumulation window is complete
         updated, grad_norm = False, None
         if finite and p.accum_count >= accum_multiple:
-            updated, grad_norm = self._update()
-        # account: losses stay on the device
-        self.guard.account(step_losses)
+            updated, grad_norm = self._update(guarded)
+        # account: losses stay on the device (deferred guard: once its flag was read)
+        if guarded:
+            guard.account(step_losses)
+        else:
+            self.accounting.add(step_losses)
         # memory: the step's peak window closes (CUDA host counters; nothing is read elsewhere)
         peak = self.built_memory.end_step()
         result = StepResult(p.epoch, p.step_in_epoch, p.global_train_step, lr, updated,
@@ -301,31 +306,35 @@ class Engine:
         p.step_in_epoch += 1
         p.global_train_step += 1
         p.last_complete_frac = batch.complete_frac if batch.complete_frac is not None else p.last_complete_frac
-        self.guard.end_step()
+        if guarded:
+            guard.end_step()
         self.events.emit("step_end", result=result)
         if probe_lr is not None:
             return result
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
-            self.guard.check()  # the log line reads the losses anyway
+            guard.check()  # the log line reads the losses anyway
             logger.info(format_step_line(result.epoch, result.step, result.losses, result.seconds))
         if opts.save_every and p.global_train_step % opts.save_every == 0:
             self.save_checkpoint(kind="step")
-        self.guard.step_returned()
+        guard.step_returned()
         return result
 
-    def _update(self) -> tuple[bool, torch.Tensor | None]:
+    def _update(self, guarded: bool) -> tuple[bool, torch.Tensor | None]:
         """Unscale → gradient noise → clip → optimizer step (a no-op on the device after a NaN/Inf)."""
-        p, optimizer, scaler = self.progress, self.built_updater.optimizer, self.grad_scaler
+        p, updater, scaler = self.progress, self.built_updater, self.grad_scaler
+        optimizer = updater.optimizer
         p.accum_count = 0
         if scaler is not None:
             scaler.unscale_(optimizer)
-        self.built_updater.apply_gradient_noise()
-        grad_norm = self.built_updater.clip_gradients()
-        if scaler is not None:
-            self.guard.step_optimizer(lambda: scaler.step(optimizer))
-            scaler.update()
+        updater.apply_gradient_noise()
+        grad_norm = updater.clip_gradients()
+        step: Callable[[], object] = optimizer.step if scaler is None else lambda: scaler.step(optimizer)
+        if guarded:
+            self.guard.step_optimizer(step)
         else:
-            self.guard.step_optimizer(optimizer.step)
+            step()
+        if scaler is not None:
+            scaler.update()
         p.num_updates += 1
         p.consec_skipped_updates = 0
         if self.dist:  # reduce_type "param": average the weights every param_sync_step updates
@@ -348,7 +357,7 @@ class Engine:
         while self.train_step() is not None:  # the epoch's remaining steps, if any
             pass
         if p.accum_count:  # a partial accumulation window: RETURNN drops it, kit applies it
-            self._update()
+            self._update(self.step_options.guard or self.guard.pending)
         self.guard.check()  # the epoch's scores read the losses anyway
         if self.dist:  # the loss sums of all ranks; reduce_type "param": the same weights everywhere
             self.dist.finish_train_epoch(self.built_model, self.accounting)

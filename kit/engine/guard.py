@@ -114,6 +114,11 @@ class NonFiniteGuard:
             return "immediate" if skip or on_cpu or len(devices) > 1 or self.engine.dist else "deferred"
         return str(wanted)
 
+    @property
+    def pending(self) -> bool:
+        """Steps whose flag was not read yet (deferred mode)."""
+        return bool(self._records)
+
     def config_changed(self) -> None:
         """The config changed (e.g. ``nonfinite_policy``): resolve the mode again at the next step."""
         if not self._records:
