@@ -7,6 +7,7 @@ import torch
 from kit.data import ArrayDataset, Pipeline, batches
 from kit.data import ahead as ahead_mod
 from kit.data.collate import BatchLoader
+from kit.data.packed import PackedKey
 from kit.errors import DataError
 
 SPEC = {"data": {"shape": (None, 3)}, "classes": {"shape": (None,), "sparse_dim": 5}}
@@ -19,11 +20,26 @@ class PerSeq(ArrayDataset):
         return super().get_seq(idx)
 
 
-def seqs(n=300, seed=0, max_len=6):
+class Windows(ArrayDataset):
+    """Overlapping windows of one array, packed as such (rows that are not back to back)."""
+
+    def __init__(self, n=300, length=4, step=2):
+        rng = np.random.default_rng(1)
+        self.base, self.starts = rng.normal(size=(step * n + length, 3)), np.arange(n, dtype=np.int64) * step
+        labels = rng.integers(0, 5, len(self.base)).astype(np.int32)
+        self.labels, self.length = labels, length
+        super().__init__([{"data": self.base[s : s + length], "classes": labels[s : s + length]} for s in self.starts])
+
+    def packed(self):
+        lengths = np.full(len(self.starts), self.length, dtype=np.int64)
+        return {"data": PackedKey(self.base, self.starts, lengths), "classes": PackedKey(self.labels, self.starts, lengths)}
+
+
+def seqs(n=300, seed=0, max_len=6, fixed=None):
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        t = int(rng.integers(1, max_len + 1))
+        t = fixed or int(rng.integers(1, max_len + 1))
         out.append({
             "data": rng.normal(size=(t, 3)).astype(np.float64),
             "classes": rng.integers(0, 5, t).astype(np.int32),
@@ -63,13 +79,19 @@ def epochs(pipe, n=2):
 def loads(monkeypatch):
     """How many batches the loader has loaded so far."""
     count = [0]
-    plain = BatchLoader.load_planned
+    plain, rows = BatchLoader.load_planned, BatchLoader.load_rows
 
     def counting(self, batch):
         count[0] += 1
         return plain(self, batch)
 
+    def counting_rows(self, idx, bounds):
+        out = rows(self, idx, bounds)
+        count[0] += len(out) if out is not None else 0
+        return out
+
     monkeypatch.setattr(BatchLoader, "load_planned", counting)
+    monkeypatch.setattr(BatchLoader, "load_rows", counting_rows)
     return count
 
 
@@ -83,8 +105,9 @@ def loads(monkeypatch):
         {"batch_size": 10**6, "max_seqs": 64},
     ],
 )
-def test_ahead_equals_one_by_one_across_epochs(monkeypatch, extern_data, opts):
-    ds = ArrayDataset(seqs())
+@pytest.mark.parametrize("fixed", [None, 1, 4])  # 1, 4: whole rows, gathered in one go per key
+def test_ahead_equals_one_by_one_across_epochs(monkeypatch, extern_data, opts, fixed):
+    ds = ArrayDataset(seqs(fixed=fixed))
     assert ds.packed() is not None
     make = lambda: epochs(Pipeline(ds, extern_data=extern_data, **opts))  # noqa: E731
     a, b = make(), one_by_one(monkeypatch, make)
@@ -97,8 +120,9 @@ def test_ahead_equals_one_by_one_across_epochs(monkeypatch, extern_data, opts):
         assert torch.equal(x["data"].tensor, plain.load(entries)["data"].tensor)
 
 
-def test_batches_are_loaded_ahead_within_limits(monkeypatch, loads):
-    pipe = Pipeline(ArrayDataset(seqs()), extern_data=SPEC, batch_size=10**6, max_seqs=2)
+@pytest.mark.parametrize("fixed", [None, 1])
+def test_batches_are_loaded_ahead_within_limits(monkeypatch, loads, fixed):
+    pipe = Pipeline(ArrayDataset(seqs(fixed=fixed)), extern_data=SPEC, batch_size=10**6, max_seqs=2)
     n = len(pipe)
     next(pipe)
     assert loads[0] == ahead_mod.MAX_BATCHES  # this one and the next 63
@@ -115,6 +139,20 @@ def test_batches_are_loaded_ahead_within_limits(monkeypatch, loads):
     assert loads[0] == n + 1  # over the budget with the batch asked for: none ahead
 
 
+@pytest.mark.parametrize("extern_data", [SPEC, None])
+def test_overlapping_windows_and_whole_rows_in_one_go(monkeypatch, extern_data):
+    for ds in (Windows(), ArrayDataset(seqs(fixed=3))):
+        make = lambda: epochs(Pipeline(ds, extern_data=extern_data, batch_size=10**6, max_seqs=3, seq_ordering="random"))  # noqa: E731
+        a, b = make(), one_by_one(monkeypatch, make)
+        assert len(a) == len(b) == 200
+        for x, y in zip(a, b):
+            same(x, y)
+        assert a[1]["data"].tensor.untyped_storage().data_ptr() == a[2]["data"].tensor.untyped_storage().data_ptr()
+        assert b[1]["data"].tensor.untyped_storage().data_ptr() != b[2]["data"].tensor.untyped_storage().data_ptr()
+        a[1]["data"].tensor.fill_(7)  # a batch's tensors are its own rows only
+        same(a[2], b[2])
+
+
 def test_no_loading_ahead_without_packed_storage_or_with_workers(loads):
     next(Pipeline(PerSeq(seqs(50)), extern_data=SPEC, batch_size=10**6, max_seqs=2))
     assert loads[0] == 1  # first sight of per-sequence data: loaded on its turn only
@@ -128,8 +166,9 @@ def test_no_loading_ahead_without_packed_storage_or_with_workers(loads):
         workers.close()
 
 
-def test_bad_label_raises_at_its_batch_naming_its_sequence(monkeypatch):
-    data = seqs(200)
+@pytest.mark.parametrize("fixed", [None, 2])
+def test_bad_label_raises_at_its_batch_naming_its_sequence(monkeypatch, fixed):
+    data = seqs(200, fixed=fixed)
     data[150]["classes"][0] = 7
     ds = ArrayDataset(data, seq_tags=[f"utt{i}" for i in range(200)])
     pipe = batches(ds, extern_data=SPEC, batch_size=10**6, max_seqs=2)
