@@ -142,7 +142,9 @@ def test_batches_are_loaded_ahead_within_limits(monkeypatch, loads, fixed):
 @pytest.mark.parametrize("extern_data", [SPEC, None])
 def test_overlapping_windows_and_whole_rows_in_one_go(monkeypatch, extern_data):
     for ds in (Windows(), ArrayDataset(seqs(fixed=3))):
-        make = lambda: epochs(Pipeline(ds, extern_data=extern_data, batch_size=10**6, max_seqs=3, seq_ordering="random"))  # noqa: E731
+        make = lambda ds=ds: epochs(  # noqa: E731
+            Pipeline(ds, extern_data=extern_data, batch_size=10**6, max_seqs=3, seq_ordering="random")
+        )
         a, b = make(), one_by_one(monkeypatch, make)
         assert len(a) == len(b) == 200
         for x, y in zip(a, b):
