@@ -61,41 +61,14 @@ class LoadAhead:
     def _fill(
         self, loader: BatchLoader, entries: EpochEntries, ranges: Sequence[tuple[int, int]], start: int, used: int
     ) -> None:
-        stop = min(len(ranges), start + MAX_BATCHES - 1)
-        ready = self._gather_rows(loader, entries, ranges, start, stop, used)
-        if ready is None:
-            ready = {}
-            for i in range(start, stop):
-                if used >= MAX_BYTES:
-                    break
-                try:
-                    batch = loader.load_planned(entries.batch(*ranges[i]))
-                except Exception:  # noqa: BLE001 - loaded again on its turn, raising there as it would without this
-                    break
-                ready[i] = batch
-                used += batch_bytes(batch)
+        ready: dict[int, Batch] = {}
+        for i in range(start, min(len(ranges), start + MAX_BATCHES - 1)):
+            if used >= MAX_BYTES:
+                break
+            try:
+                batch = loader.load_planned(entries.batch(*ranges[i]))
+            except Exception:  # noqa: BLE001 - loaded again on its turn, raising there as it would without this
+                break
+            ready[i] = batch
+            used += batch_bytes(batch)
         self._ready, self._of = ready, ranges
-
-    @staticmethod
-    def _gather_rows(
-        loader: BatchLoader,
-        entries: EpochEntries,
-        ranges: Sequence[tuple[int, int]],
-        start: int,
-        stop: int,
-        used: int,
-    ) -> dict[int, Batch] | None:
-        """Batches ``start..`` in one gather per key, when they are whole rows of one length (every
-        entry then has the bytes of the batch just loaded, per entry: the same budget as one by one)."""
-        if entries.spans or stop <= start:
-            return None
-        first, last = ranges[start - 1]
-        per_entry, base = used / max(last - first, 1), ranges[start][0]
-        end = start
-        while end < stop and used + (ranges[end][0] - base) * per_entry < MAX_BYTES:
-            end += 1
-        bounds = [(a - base, b - base) for a, b in ranges[start:end]]
-        if not bounds:
-            return {}
-        batches = loader.load_rows(entries.seq_idx[base : ranges[end - 1][1]], bounds)
-        return None if batches is None else dict(zip(range(start, end), batches))

@@ -127,18 +127,6 @@ class BatchLoader:
             return raw
         return [ds.check_item(item, i) for item, i in zip(raw, idxs)]
 
-    def load_rows(self, idx: np.ndarray, bounds: Sequence[tuple[int, int]]) -> list[Batch] | None:
-        """Several unchunked batches of a packed dataset at once (see ``PackedGather.gather_rows``):
-        ``idx`` all their sequences, batch ``j`` the rows ``bounds[j]``; None where that does not apply."""
-        gather = self._packed
-        if not isinstance(gather, PackedGather) or torch.utils.data.get_worker_info() is not None:
-            return None
-        fields = gather.gather_rows(idx, bounds)
-        if fields is None:
-            return None
-        ids, tag_of = idx.tolist(), self.dataset.get_seq_tag
-        return [Batch(f, seq_idx=ids[a:b], tag_of=tag_of) for f, (a, b) in zip(fields, bounds)]
-
     def is_packed(self) -> bool:
         """Whether batches are gathered from the dataset's packed storage (known after the first batch)."""
         return isinstance(self._packed, PackedGather)

@@ -11,7 +11,7 @@ so handing the batch to the main process costs one segment and no extra copy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -81,45 +81,6 @@ class PackedGather:
                 _check_labels(kp, out, idx, starts, lengths, self.tag_of)
             fields[kp.key] = Field(tensors[j], length_tensor, kp.spec.sparse_dim if kp.spec is not None else None)
         return fields
-
-
-    def gather_rows(self, idx: np.ndarray, bounds: Sequence[tuple[int, int]]) -> list[dict[str, Field]] | None:
-        """Several batches of whole sequences at once (``idx``: all their rows; batch ``j`` is rows
-        ``bounds[j]``), or None unless every key takes whole rows of one length with no label check.
-
-        Per key, one gather of all rows into one array; each batch's tensors are views of it, exactly
-        what :meth:`gather` gives batch by batch (no row is padded). Main process only.
-        """
-        if not all(_row_wise(kp) for kp in self.keys):
-            return None
-        columns = [_column(kp, idx) for kp in self.keys]
-        sparse = [kp.spec.sparse_dim if kp.spec is not None else None for kp in self.keys]
-        return [
-            {kp.key: Field(t[a:b], None if n is None else n[a:b], s) for kp, (t, n), s in zip(self.keys, columns, sparse)}
-            for a, b in bounds
-        ]
-
-
-def _row_wise(kp: KeyPlan) -> bool:
-    """Whether every (unchunked) batch takes this key as whole rows of one length, unchecked."""
-    return not kp.check_labels and (kp.pk.lengths is None or kp.pk.fixed_length is not None)
-
-
-def _column(kp: KeyPlan, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(data, lengths) of the rows ``idx`` of a row-wise key, filled as :func:`_fill` fills one batch."""
-    pk, rest = kp.pk, kp.pk.data.shape[1:]
-    if pk.lengths is None:
-        out = np.empty((len(idx), *rest), kp.dtype)
-        packing.fill_rows(out, pk.data, idx)
-        return torch.from_numpy(out), None
-    length = pk.fixed_length
-    assert length is not None and pk.starts is not None
-    out = np.empty((len(idx), length, *rest), kp.dtype)
-    if kp.rows is not None:
-        packing.fill_rows(out, kp.rows, idx)
-    else:
-        packing.fill_full(out, pk.data, pk.starts[idx])
-    return torch.from_numpy(out), torch.from_numpy(np.full(len(idx), length, dtype=np.int32))
 
 
 def _key_plan(
