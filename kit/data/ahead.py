@@ -23,6 +23,7 @@ from kit.data.collate import BatchLoader
 
 MAX_BATCHES = 64  # loaded together at most (the epoch's end comes first when nearer)
 MAX_BYTES = 2 << 20  # ... and until their tensors hold this much: stays in the CPU's caches
+PREPARE_MASKS = True  # their fields' masks built then too (a step asks for one; built cold, it costs more)
 
 
 def batch_bytes(batch: Batch) -> int:
@@ -69,6 +70,9 @@ class LoadAhead:
                 batch = loader.load_planned(entries.batch(*ranges[i]))
             except Exception:  # noqa: BLE001 - loaded again on its turn, raising there as it would without this
                 break
+            if PREPARE_MASKS:
+                for f in batch.fields.values():
+                    f.prepare_mask()
             ready[i] = batch
             used += batch_bytes(batch)
         self._ready, self._of = ready, ranges

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,9 +21,21 @@ class Field:
     tensor: torch.Tensor
     lengths: torch.Tensor | None = None
     sparse_dim: int | None = None
+    _ready_mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def prepare_mask(self) -> None:
+        """Build the (CPU) mask now, for the next :meth:`mask` call to hand out: the data path does
+        this while its code is warm, for batches loaded ahead of their step."""
+        if self.lengths is not None and self.tensor.is_cpu and self.lengths.is_cpu:
+            self._ready_mask = self.mask()
 
     def mask(self) -> torch.Tensor:
-        """Bool ``[B, T]`` on the tensor's device: True for real frames, False for padding."""
+        """Bool ``[B, T]`` on the tensor's device: True for real frames, False for padding (a new
+        tensor per call)."""
+        ready = self._ready_mask
+        if ready is not None:  # prepared ahead: handed out once
+            self._ready_mask = None
+            return ready
         if self.lengths is None:
             raise ValueError("this field has no time axis, so it has no mask")
         t = self.tensor

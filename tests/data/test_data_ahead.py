@@ -202,3 +202,22 @@ def test_resume_mid_epoch_and_set_epoch_drop_what_was_loaded_ahead(monkeypatch):
         next(pipe)  # batches 5.. of epoch 1 are loaded ahead
     pipe.load_state_dict({"epoch": 2, "position": 5, "num_batches": len(pipe)})
     same(next(pipe), ref[n1 + 5])  # epoch 2's, not epoch 1's batch 5
+
+
+def test_masks_prepared_ahead_are_the_masks_each_call_its_own():
+    pipe = Pipeline(ArrayDataset(seqs()), extern_data=SPEC, batch_size=10**6, max_seqs=3)
+    first, second = next(pipe), next(pipe)  # the second was loaded ahead, its masks built then
+    for b in (first, second):
+        f = b["classes"]
+        lengths = f.lengths.numpy()
+        expected = np.arange(f.tensor.shape[1])[None, :] < lengths[:, None]
+        m1 = f.mask()
+        assert m1.dtype == torch.bool and np.array_equal(m1.numpy(), expected)
+        m1.fill_(False)  # the caller's to change: the next call builds a new one
+        m2 = f.mask()
+        assert m2 is not m1 and np.array_equal(m2.numpy(), expected)
+    static = second["speaker"]
+    static.prepare_mask()  # no time axis: nothing to prepare
+    with pytest.raises(ValueError, match="no time axis"):
+        static.mask()
+    assert repr(second["data"]).startswith("Field((3, ") and "lengths=" in repr(second["data"])
