@@ -24,6 +24,7 @@ from typing import Any
 
 from kit.compat.imports import is_fallback_module, returnn_imports
 from kit.compat.tensor import batch_view
+from kit.engine.user_code import keyword_names
 from kit.run_ctx import get_run_ctx
 
 ADAPTED_ATTR = "__kit_returnn_adapted__"
@@ -72,14 +73,8 @@ def adapt_function(key: str, fn: Any, spec: Mapping[str, Any]) -> Any:
 
 def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments ``fn`` takes (all of them when it has ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return kwargs
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return kwargs
-    names = {p.name for p in params}
-    return {k: v for k, v in kwargs.items() if k in names}
+    names = keyword_names(fn)
+    return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
 
 
 def _get_model_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:

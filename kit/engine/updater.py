@@ -18,7 +18,6 @@ lists its parameters sorted by name, as RETURNN's, so that RETURNN's ``.opt.pt``
 
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 from collections.abc import Callable, Iterable
@@ -33,6 +32,7 @@ from kit.engine.optimizer_check import (  # noqa: F401 - resolve_* and optimizer
     resolve_dotted,
     resolve_optimizer_class,
 )
+from kit.engine.user_code import keyword_names
 from kit.errors import ConfigError, KitError
 
 # options of the optimizer dict that kit consumes (RETURNN's places for them); not passed to torch
@@ -46,17 +46,6 @@ _GROUPING_OPTS = (
 def default_weight_decay_blacklist() -> tuple[type, ...]:
     """Module types whose parameters never decay by default: RETURNN's LayerNorm and Embedding."""
     return (torch.nn.LayerNorm, torch.nn.Embedding)
-
-
-def _accepted_kwargs(cls: type) -> set[str] | None:
-    """The constructor's keyword names, or None when it takes ``**kwargs``."""
-    try:
-        params = inspect.signature(cls).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params} - {"params"}
 
 
 class Updater:
@@ -113,7 +102,7 @@ class Updater:
         cls = resolve_optimizer_class(opts.pop("class"))
         multiplier = float(opts.pop("learning_rate_multiplier", 1.0))
         grouping = {name: opts.pop(name, None) for name in _GROUPING_OPTS}
-        accepted = _accepted_kwargs(cls) if isinstance(cls, type) else None
+        accepted = keyword_names(cls) if isinstance(cls, type) else None
         if "epsilon" in opts:
             if "eps" in opts:
                 raise ConfigError("config key 'optimizer': set 'eps' or its alias 'epsilon', not both")

@@ -16,14 +16,22 @@ if TYPE_CHECKING:
     from kit.data.batch import Batch
 
 
+def keyword_names(fn: Callable[..., Any]) -> set[str] | None:
+    """The parameter names ``fn`` takes by keyword; None when it takes ``**kwargs`` (any keyword)
+    or has no signature to read (a builtin), so that callers pass everything."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
+
+
 def check_accepts_kwargs(fn: Callable, key: str) -> None:
     """User callables get keyword arguments and must take ``**kwargs`` (new ones may be added)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
-        name = getattr(fn, "__qualname__", repr(fn))
+    if keyword_names(fn) is not None:
+        name, sig = getattr(fn, "__qualname__", repr(fn)), inspect.signature(fn)
         raise ConfigError(
             f"config key '{key}': {name}{sig} must accept **kwargs "
             f"(kit calls it with keyword arguments and may pass more in the future), "
