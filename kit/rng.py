@@ -94,5 +94,5 @@ def restore(snap: tuple) -> None:
 
 def torch_rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """torch's CPU RNG state and, once CUDA is in use, every device's (what a step replay needs)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # initialized: available
     return torch.get_rng_state(), cuda
