@@ -369,7 +369,7 @@ def _screenshot_first(page, selector: str, filename: str) -> None:
     """A screenshot with the first element matching ``selector`` scrolled into view (if there is one)."""
     element = page.locator(selector).first
     if element.count():
-        element.scroll_into_view_if_needed()
+        _scroll_for_screenshot(element)
         page.screenshot(path=str(ARTIFACTS / filename))
 
 
@@ -411,6 +411,17 @@ def _wait_for(page, fn, what: str, timeout: float = 60.0, every: float = 0.2):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; the dashboards said: {seen}")
 
 
+def _scroll_for_screenshot(locator) -> None:
+    """Scroll a dashboard into view for a screenshot (nothing is asserted on it): JupyterLab may
+    re-render an output while Playwright waits for it to be stable, detaching the element it found."""
+    for _ in range(3):
+        try:
+            locator.scroll_into_view_if_needed(timeout=5000)
+            return
+        except Exception:  # noqa: BLE001 - playwright's Error (detached element, timeout): try again
+            time.sleep(0.5)
+
+
 def _run_dashboard_notebook_and_check(page) -> None:
     page.evaluate(RECORD_TEXTS)
     _run_all(page)
@@ -429,7 +440,7 @@ def _run_dashboard_notebook_and_check(page) -> None:
 
     # Pause while `await session.train_async()` runs: that cell returns Paused, the next continues
     assert "running" in status.inner_text(), "training ended before Pause could be clicked"
-    dashboard.scroll_into_view_if_needed()
+    _scroll_for_screenshot(dashboard)
     page.screenshot(path=str(ARTIFACTS / "dashboard-running.png"), full_page=True)
     pause = dashboard.locator(".kit-dashboard-pause")
     assert pause.is_enabled(), page.evaluate("window.__kitSeen")
@@ -485,7 +496,7 @@ def _run_dashboard_notebook_and_check(page) -> None:
         timeout=60,
     )
     _wait_for(page, resume.is_enabled, "Resume enabled after the pause", timeout=15)
-    dashboard.scroll_into_view_if_needed()
+    _scroll_for_screenshot(dashboard)
     page.screenshot(path=str(ARTIFACTS / "dashboard-paused.png"), full_page=True)
     resume.click(timeout=5000)
     _wait_for(page, lambda: "running" in status.inner_text(), "training again after Resume", timeout=30)
@@ -495,7 +506,7 @@ def _run_dashboard_notebook_and_check(page) -> None:
     )
     page.locator(".kit-dashboard.kit-dashboard-final").first.wait_for(timeout=30_000)
     final = page.evaluate(IMAGE_DIGEST)
-    dashboard.scroll_into_view_if_needed()  # for the screenshot taken at the end
+    _scroll_for_screenshot(page.locator(".kit-dashboard.kit-dashboard-final").first)  # the screenshot at the end
     assert final["size"] > 1000 and final["sha"] != first["sha"]
     assert resume.is_disabled()
 
