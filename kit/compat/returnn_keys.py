@@ -77,7 +77,6 @@ _OTHER: list[ReturnnKey] = [
     _u("context_window"),
     _u("data_key"),
     _u("dataset_random_seed_offset"),
-    _u("default_float_dtype", "float32 only (kit's default) is accepted without a warning"),
     _u("dry_run"),
     _u("dummy_dataset_num_seqs"),
     _u("epoch", "RETURNN's epoch for single tasks; use load_epoch"),
@@ -195,8 +194,6 @@ def translate(values: Mapping[str, Any], get: Callable[[str], Any]) -> tuple[dic
         if name == "batching":
             if value is not None:
                 updates.update(_seq_ordering_for_train(value, lambda n: updates.get(n, get(n))))
-        elif name == "default_float_dtype" and value in (None, "float32"):
-            continue
         elif key.status == "no effect" and (not key.quiet_values or value in key.quiet_values):
             continue
         elif key.status != "kit":

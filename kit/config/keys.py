@@ -299,6 +299,7 @@ _KEYS: list[Key] = [
     _k("training", "num_allowed_consec_invalid_gradient_steps", "int", 10, "with nonfinite_policy='skip': stop after this many skipped updates in a row", non_negative_int),
     _k("training", "log_every_n_steps", "int", 10, "interval (in steps) of the per-step log line", positive_int),
     _k("training", "log_verbosity", "int", 3, "RETURNN-style verbosity; >=4 logs every step", non_negative_int),
+    _k("training", "default_float_dtype", "str", None, "RETURNN's: the model's parameters, the batches' float tensors and torch's default dtype inside every step in this dtype", one_of(None, "float16", "bfloat16", "float32", "float64")),
     _k("training", "torch_log_memory_usage", "bool", False, "add device memory to log lines", boolean),
     _k("training", "device", "str", None, "None: cuda, then mps, then cpu; 'gpu' requires a GPU; PT_DEVICE env var overrides", device_spec),
     _k("training", "torch_distributed", "dict", None, "under torchrun: {'reduce_type': 'grad' (DDP) or 'param' (averaging), 'param_sync_step', 'options' (DDP kwargs), 'backend'}"),

@@ -142,6 +142,12 @@ class Batch(Mapping[str, Field]):
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return self._same_meta({k: f.to(device, non_blocking=non_blocking) for k, f in self.fields.items()})
 
+    def with_float_dtype(self, dtype: torch.dtype) -> Batch:
+        """The batch with its floating-point tensors in ``dtype`` (labels, lengths and masks as they are)."""
+        fields = {k: Field(f.tensor.to(dtype), f.lengths, f.sparse_dim)
+                  if f.tensor.is_floating_point() and f.tensor.dtype != dtype else f for k, f in self.fields.items()}
+        return self._same_meta(fields)
+
     def pin_memory(self) -> Batch:
         return self._same_meta({k: f.pin_memory() for k, f in self.fields.items()})
 

@@ -1,8 +1,10 @@
-"""Automatic mixed precision from the ``torch_amp`` / ``grad_scaler`` config keys."""
+"""The step's float dtypes: automatic mixed precision (``torch_amp`` / ``grad_scaler``) and RETURNN's
+``default_float_dtype`` (the model, the batches' float tensors and torch's default dtype in a step)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,6 +21,38 @@ def amp_dtype(config: Config) -> torch.dtype | None:
         return None
     name = spec["dtype"] if isinstance(spec, dict) else spec
     return _DTYPES[name]
+
+
+_FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float64": torch.float64}
+
+
+def default_float_dtype(config: Config) -> torch.dtype | None:
+    """``default_float_dtype`` as a torch dtype; None when unset (torch's own default, float32)."""
+    name = config.typed_value("default_float_dtype")
+    return None if name is None else _FLOAT_DTYPES[name]
+
+
+def cast_to_default_float_dtype(model: torch.nn.Module, config: Config) -> torch.dtype | None:
+    """The model's floating-point parameters and buffers in ``default_float_dtype`` (when set); that dtype."""
+    dtype = default_float_dtype(config)
+    if dtype is not None:
+        model.to(dtype=dtype)
+    return dtype
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` inside the block, as before after it (a no-op for None)."""
+    if dtype is None:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

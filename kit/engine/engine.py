@@ -67,6 +67,7 @@ class Engine:
         self.is_set_up = False
         self.device: torch.device | None = None  # chosen by the set-up
         self.amp_dtype: torch.dtype | None = None
+        self.float_dtype: torch.dtype | None = None  # default_float_dtype: the model's and the steps' floats
         self.dist: distributed.DistributedContext | None = None  # set up under torchrun
         self.datasets: dict[str, Any] = {}  # config key ("train", "dev", "eval_datasets.<name>") -> dataset
         self.extern_data: ExternData | None = None
@@ -194,6 +195,7 @@ class Engine:
         self.progress.global_train_step = start.global_train_step
         self.model = parts.create_model(self.config, self.built_device, start.epoch, start.global_train_step)
         start_.init_weights(self, start)
+        self.float_dtype = amp.cast_to_default_float_dtype(self.built_model, self.config)  # as RETURNN: after loading
         self.grad_scaler = amp.make_grad_scaler(self.config, self.device)
         self.amp_dtype = amp.amp_dtype(self.config)
         self.is_set_up = True
@@ -246,10 +248,7 @@ class Engine:
 
     def train_step(self, *, probe_lr: float | None = None) -> StepResult | None:
         """Train on the next micro-batch of the current epoch; None once the epoch's data is used up.
-
-        ``probe_lr``: a probe step (the LR finder) with this learning rate instead of the schedule's,
-        without the step's log line and step checkpoint.
-        """
+        ``probe_lr``: a probe step (the LR finder) at this learning rate, without log line or step checkpoint."""
         self.ensure_training_parts()
         p, guard = self.progress, self.guard
         if not p.epoch_running:
