@@ -98,7 +98,6 @@ _OTHER: list[ReturnnKey] = [
     _u("need_data"),
     _u("on_size_limit"),
     _u("onnx_export"),
-    _u("online_shuffle_batches"),
     _u("output_file"),
     _u("output_per_seq_file_format"),
     _u("output_per_seq_format"),

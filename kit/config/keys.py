@@ -214,6 +214,13 @@ def lr_control_spec(v: Any) -> str | None:
     return one_of("constant", "newbob", "newbob_rel", "newbob_abs", "newbob_multi_epoch")(v)
 
 
+def _online_shuffle_spec(v: Any) -> str | None:
+    size = v.get("buffer_size") if isinstance(v, dict) and set(v) <= {"buffer_size"} else v
+    if v is None or (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+        return None
+    return "an int >= 1 (the shuffle buffer's batches) or {'buffer_size': int >= 1}"
+
+
 def seq_ordering_spec(v: Any) -> str | None:
     if v is None:
         return None
@@ -283,6 +290,7 @@ _KEYS: list[Key] = [
     _k("data", "chunking", "int | str | tuple | dict", None, "cut training sequences into chunks: size, 'size:step', (size, step), per-key dicts", chunking_spec),
     _k("data", "min_chunk_size", "int | dict", None, "drop final chunks shorter than this", int_or_per_key()),
     _k("data", "chunking_in_eval", "bool", True, "chunk eval datasets too, as RETURNN's torch engine does; False evaluates whole sequences", boolean),
+    _k("data", "online_shuffle_batches", "int | dict", None, "RETURNN's: train batches shuffled within blocks of this many (or {'buffer_size': n}); complete_frac stays in order", _online_shuffle_spec),
     _k("data", "seq_ordering", "str", None, "override the datasets' own seq_ordering for training", seq_ordering_spec),
     _k("data", "torch_dataloader_opts", "dict", None, "{'num_workers': k, ...}; workers never duplicate data"),
     _k("data", "random_seed", "int", 42, "seed for model init and training randomness (data orders follow RETURNN: epoch, fixed_random_seed, random_seed_offset)", non_negative_int),

@@ -220,6 +220,22 @@ class EpochEntries:
         return [flat[a:b] for a, b in ranges]
 
 
+def shuffle_in_blocks(ranges: list[tuple[int, int]], buffer_size: int, seed: int) -> list[tuple[int, int]]:
+    """RETURNN's ``online_shuffle_batches``: the batches shuffled within consecutive blocks of
+    ``buffer_size`` (its shuffle buffer fills with the next ``buffer_size`` batches, then empties).
+
+    kit's seed is ``seed`` (the pipeline's random seed and the epoch), so a resumed epoch plans the
+    same order; RETURNN draws its seed from torch's RNG when a DataLoader iterator starts.
+    """
+    rng = np.random.RandomState(seed % 2**32)
+    out = list(ranges)
+    for start in range(0, len(out), buffer_size):
+        block = out[start : start + buffer_size]
+        rng.shuffle(block)
+        out[start : start + buffer_size] = block
+    return out
+
+
 def complete_fracs(order: np.ndarray, seq_idx: np.ndarray, ranges: Sequence[tuple[int, int]]) -> list[float]:
     """RETURNN's ``complete_frac`` of each batch: (position of its last sequence in the epoch's order + 1)
     / sequences in the order, as float32 (RETURNN passes it through a float32 array); 1.0 for the last

@@ -33,6 +33,17 @@ from kit.errors import ConfigError, DataError
 _DEFAULT_SEED = KEYS["random_seed"].default
 
 
+def _shuffle_buffer(spec: int | Mapping[str, int] | None) -> int | None:
+    """``online_shuffle_batches`` (an int, or ``{"buffer_size": n}``) as the buffer size; None when off."""
+    if spec is None:
+        return None
+    size = spec.get("buffer_size") if isinstance(spec, Mapping) else spec
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"config key 'online_shuffle_batches': got {spec!r}, expected an int >= 1 "
+                          "or {'buffer_size': int >= 1}")
+    return size
+
+
 def _describe(dataset: Any) -> str:
     return dataset.describe() if isinstance(dataset, Dataset) else repr(type(dataset).__name__)
 
@@ -78,6 +89,7 @@ class Pipeline:
         random_seed: int | None = None,
         seq_indices: Sequence[int] | None = None,
         chunking_in_eval: bool = False,
+        online_shuffle_batches: int | Mapping[str, int] | None = None,
     ):
         self.dataset = make_dataset(dataset)
         self.extern_data = make_extern_data(extern_data)
@@ -101,6 +113,7 @@ class Pipeline:
             ordering.parse(seq_ordering)
         self.seq_ordering = seq_ordering
         self.random_seed = _DEFAULT_SEED if random_seed is None else int(random_seed)
+        self.shuffle_buffer = _shuffle_buffer(online_shuffle_batches) if train else None
         self.seq_indices = None if seq_indices is None else [int(i) for i in seq_indices]
         opts = dict(dataloader_opts or {})
         self.num_workers = int(num_workers or opts.pop("num_workers", 0) or 0)
@@ -144,6 +157,7 @@ class Pipeline:
             "chunking": cfg.typed_value("chunking"),
             "min_chunk_size": cfg.typed_value("min_chunk_size"),
             "chunking_in_eval": bool(cfg.typed_value("chunking_in_eval")),
+            "online_shuffle_batches": cfg.typed_value("online_shuffle_batches") if train else None,
             "seq_ordering": cfg.typed_value("seq_ordering") if train else None,
             "random_seed": cfg.typed_value("random_seed"),
             "num_workers": loader_opts.pop("num_workers", 0),
@@ -218,8 +232,11 @@ class Pipeline:
         entries = self._plan_entries(order, epoch, name)
         lens = batching.span_lengths(entries.seq_idx, entries.spans, self._seq_lengths())
         ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
-        self._entries, self._ranges = entries, ranges
+        # complete_frac by position: it stays in order when the batches are shuffled (as in RETURNN)
         self._fracs = batching.complete_fracs(order, entries.seq_idx, ranges)
+        if self.shuffle_buffer is not None:
+            ranges = batching.shuffle_in_blocks(ranges, self.shuffle_buffer, self.random_seed * 1_000_003 + epoch)
+        self._entries, self._ranges = entries, ranges
         self.epoch, self.position = epoch, 0
 
     def _plan_entries(self, order: np.ndarray, epoch: int, name: str) -> batching.EpochEntries:
