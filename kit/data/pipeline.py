@@ -34,14 +34,15 @@ _DEFAULT_SEED = KEYS["random_seed"].default
 
 
 def _shuffle_buffer(spec: int | Mapping[str, int] | None) -> int | None:
-    """``online_shuffle_batches`` (an int, or ``{"buffer_size": n}``) as the buffer size; None when off."""
+    """``online_shuffle_batches`` (an int, or ``{"buffer_size": n}``, checked by the key registry) as the
+    buffer size; None when off."""
+    check = KEYS["online_shuffle_batches"].check
+    problem = check(spec) if check is not None else None
+    if problem:
+        raise ConfigError(f"config key 'online_shuffle_batches': got {spec!r}, expected {problem}")
     if spec is None:
         return None
-    size = spec.get("buffer_size") if isinstance(spec, Mapping) else spec
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"config key 'online_shuffle_batches': got {spec!r}, expected an int >= 1 "
-                          "or {'buffer_size': int >= 1}")
-    return size
+    return int(spec["buffer_size"] if isinstance(spec, Mapping) else spec)
 
 
 def _describe(dataset: Any) -> str:

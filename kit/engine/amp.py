@@ -23,14 +23,11 @@ def amp_dtype(config: Config) -> torch.dtype | None:
     return _DTYPES[name]
 
 
-_FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                 "float64": torch.float64}
-
-
 def default_float_dtype(config: Config) -> torch.dtype | None:
-    """``default_float_dtype`` as a torch dtype; None when unset (torch's own default, float32)."""
+    """``default_float_dtype`` as a torch dtype (the registry admits float16/bfloat16/float32/float64 only);
+    None when unset (torch's own default, float32)."""
     name = config.typed_value("default_float_dtype")
-    return None if name is None else _FLOAT_DTYPES[name]
+    return None if name is None else getattr(torch, name)
 
 
 def cast_to_default_float_dtype(model: torch.nn.Module, config: Config) -> torch.dtype | None:
@@ -41,12 +38,14 @@ def cast_to_default_float_dtype(model: torch.nn.Module, config: Config) -> torch
     return dtype
 
 
+def default_dtype(dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """torch's default dtype set to ``dtype`` inside the block, as before after it; a no-op for None
+    (a step's usual case: no generator made per step)."""
+    return contextlib.nullcontext() if dtype is None else _default_dtype(dtype)
+
+
 @contextlib.contextmanager
-def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
-    """torch's default dtype set to ``dtype`` inside the block, as before after it (a no-op for None)."""
-    if dtype is None:
-        yield
-        return
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
