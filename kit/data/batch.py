@@ -23,11 +23,12 @@ class Field:
     sparse_dim: int | None = None
     _ready_mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
-    def prepare_mask(self) -> None:
-        """Build the (CPU) mask now, for the next :meth:`mask` call to hand out: the data path does
-        this while its code is warm, for batches loaded ahead of their step."""
+    def prepare_mask(self, ready: torch.Tensor | None = None) -> None:
+        """Build the (CPU) mask now (or take ``ready``, the data path's), for the next :meth:`mask`
+        call to hand out: the data path does this while its code is warm, for batches loaded ahead
+        of their step."""
         if self.lengths is not None and self.tensor.is_cpu and self.lengths.is_cpu:
-            self._ready_mask = self.mask()
+            self._ready_mask = self.mask() if ready is None else ready
 
     def mask(self) -> torch.Tensor:
         """Bool ``[B, T]`` on the tensor's device: True for real frames, False for padding (a new

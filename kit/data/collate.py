@@ -23,7 +23,8 @@ import torch.utils.data
 
 from kit.data import packed as packing
 from kit.data.batch import Batch, Field
-from kit.data.batching import Entry, PlannedBatch
+from kit.data.batching import Entry, EpochEntries, PlannedBatch
+from kit.data.block import gather_block
 from kit.data.dataset import TorchDataset, as_numpy
 from kit.data.extern_data import DataSpec, ExternData, check_array, kind_ok, labels_in_range
 from kit.data.first_sight import FirstSight, all_plain, plain_dicts
@@ -126,6 +127,24 @@ class BatchLoader:
         if plain_dicts(raw) if known else all_plain(raw):  # what the dataset's check would return
             return raw
         return [ds.check_item(item, i) for item, i in zip(raw, idxs)]
+
+    def load_block(
+        self, entries: EpochEntries, ranges: Sequence[tuple[int, int]], start: int, max_batches: int, max_bytes: int
+    ) -> list[Batch] | None:
+        """Batches ``start, start + 1, ...`` of a packed dataset gathered in one go (see
+        :func:`kit.data.block.gather_block`), masks prepared; None when that does not apply."""
+        tag_of = self.dataset.get_seq_tag
+        first, _ = ranges[start]
+        packed = self._packed_gather(entries.seq_idx[first : first + 1], tag_of)
+        if packed is None:
+            return None
+        blocks = gather_block(packed, entries, ranges, start, max_batches, max_bytes)
+        if blocks is None:
+            return None
+        out = []
+        for fields, (s, e) in zip(blocks, ranges[start:]):
+            out.append(Batch(fields, seq_idx=entries.seq_idx[s:e].tolist(), tag_of=tag_of))
+        return out
 
     def is_packed(self) -> bool:
         """Whether batches are gathered from the dataset's packed storage (known after the first batch)."""

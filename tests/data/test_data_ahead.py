@@ -62,8 +62,10 @@ def same(x, y):
 
 
 def one_by_one(monkeypatch, make):
+    """The reference: each batch gathered on its own turn, by itself."""
     with monkeypatch.context() as m:
         m.setattr(ahead_mod, "MAX_BATCHES", 1)  # nothing loaded ahead
+        m.setattr(BatchLoader, "load_block", lambda self, *a: None)  # nor gathered as a block
         return make()
 
 
@@ -79,13 +81,19 @@ def epochs(pipe, n=2):
 def loads(monkeypatch):
     """How many batches the loader has loaded so far."""
     count = [0]
-    plain = BatchLoader.load_planned
+    plain, block = BatchLoader.load_planned, BatchLoader.load_block
 
     def counting(self, batch):
         count[0] += 1
         return plain(self, batch)
 
+    def counting_block(self, *args):
+        out = block(self, *args)
+        count[0] += len(out or ())
+        return out
+
     monkeypatch.setattr(BatchLoader, "load_planned", counting)
+    monkeypatch.setattr(BatchLoader, "load_block", counting_block)
     return count
 
 
@@ -221,3 +229,75 @@ def test_masks_prepared_ahead_are_the_masks_each_call_its_own():
     with pytest.raises(ValueError, match="no time axis"):
         static.mask()
     assert repr(second["data"]).startswith("Field((3, ") and "lengths=" in repr(second["data"])
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    """How many batches each block gather gave (None: it did not apply)."""
+    given = []
+    block = BatchLoader.load_block
+
+    def recording(self, *args):
+        out = block(self, *args)
+        given.append(None if out is None else len(out))
+        return out
+
+    monkeypatch.setattr(BatchLoader, "load_block", recording)
+    return given
+
+
+@pytest.mark.parametrize(
+    "make_ds, spec",
+    [
+        (lambda: ArrayDataset(seqs(max_len=9)), SPEC),  # padded rows of varying lengths
+        (lambda: ArrayDataset(seqs(fixed=1)), SPEC),  # whole rows of one frame
+        (lambda: ArrayDataset(seqs(fixed=4)), None),
+        (lambda: Windows(), SPEC),  # one length, rows not back to back
+        (lambda: ArrayDataset([{"data": np.full((t, 2, 2), t, np.float64), "classes": np.arange(t) % 3}
+                               for t in [1, 3, 2, 5, 4] * 40]),
+         {"data": {"shape": (None, 2, 2), "dtype": "float32"}, "classes": {"shape": (None,), "sparse_dim": 3}}),
+    ],
+)
+@pytest.mark.parametrize("opts", [
+    {"batch_size": 10**6, "max_seqs": 3},
+    {"batch_size": 12, "seq_ordering": "random", "online_shuffle_batches": 7},  # batches not in entry order
+])
+def test_block_gather_equals_one_by_one(monkeypatch, blocks, make_ds, spec, opts):
+    make = lambda: epochs(Pipeline(make_ds(), extern_data=spec, **opts))  # noqa: E731
+    ref = one_by_one(monkeypatch, make)
+    got = make()
+    assert [n for n in blocks if n is not None] and None not in blocks  # every load after the first one: a block
+    assert len(got) == len(ref) > 2
+    for x, y in zip(got, ref):
+        same(x, y)
+        for key in x:
+            if x[key].lengths is not None:
+                assert torch.equal(x[key].mask(), y[key].mask()), key
+    got[1]["data"].tensor.fill_(7)  # views of one block, but each batch's own
+    got[1]["classes"].mask().fill_(True)
+    same(got[0], ref[0])
+    same(got[2], ref[2])
+    assert torch.equal(got[2]["classes"].mask(), ref[2]["classes"].mask())
+
+
+def test_block_gather_keeps_the_byte_budget(monkeypatch, blocks):
+    ds = ArrayDataset(seqs(fixed=2))  # every batch of 3 sequences has the same size
+    per_batch = ahead_mod.batch_bytes(next(Pipeline(ds, extern_data=SPEC, batch_size=10**6, max_seqs=3)))
+    blocks.clear()
+    for budget, loaded in ((5 * per_batch + 1, 6), (5 * per_batch, 5), (1, 1)):
+        monkeypatch.setattr(ahead_mod, "MAX_BYTES", budget)
+        next(Pipeline(ds, extern_data=SPEC, batch_size=10**6, max_seqs=3))
+        assert blocks[-1] == loaded  # a batch is loaded while the bytes before it stay under the budget
+
+
+def test_block_gather_falls_back_where_it_does_not_apply(monkeypatch, blocks):
+    long_rows = ArrayDataset(seqs(max_len=60, fixed=None))  # rows above LONG_ROWS frames on average
+    chunked = ArrayDataset(seqs())
+    for ds, opts in ((long_rows, {}), (chunked, {"chunking": (3, 2)})):
+        blocks.clear()
+        make = lambda ds=ds, opts=opts: epochs(  # noqa: E731
+            Pipeline(ds, extern_data=SPEC, batch_size=10**6, max_seqs=3, **opts))
+        got, ref = make(), one_by_one(monkeypatch, make)
+        assert blocks and set(blocks) == {None}
+        for x, y in zip(got, ref):
+            same(x, y)

@@ -1,0 +1,202 @@
+"""Consecutive planned batches of a packed dataset gathered in one go: one array per key for all.
+
+Gathering batch by batch (:class:`~kit.data.gather.PackedGather`) costs a few dozen numpy and
+Python calls per batch — ~50 µs for 64 length-1 sequences, more than a small model's step
+leaves to spare. For the batches :mod:`kit.data.ahead` loads together, each key of the whole
+block is gathered with one index into one zero-padded array, the lengths and masks are built
+for all batches at once, and each batch gets views of these arrays (one ``split`` per array).
+
+The batches are exactly those gathered one by one (same shapes, dtypes, values, padding).
+A batch that is kept keeps its block's arrays alive (at most ``kit.data.ahead.MAX_BYTES``
+plus the last batch). Where a block does not pay or cannot be exact — chunk spans, labels
+that some batch must check and name, long rows (a copy per row beats an index per frame) —
+:func:`gather_block` returns None and the batches are gathered one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kit.data import packed as packing
+from kit.data.batch import Field
+from kit.data.batching import EpochEntries
+from kit.data.gather import KeyPlan, PackedGather
+
+
+@dataclass
+class _Block:
+    """The block's sequences, batch after batch: ``idx[seq_off[b] : seq_off[b + 1]]`` is batch ``b``."""
+
+    idx: np.ndarray  # int64 [N]
+    num_seqs: np.ndarray  # int64 [k]: sequences per batch
+    seq_off: np.ndarray  # int64 [k]: first sequence of each batch in ``idx``
+
+
+@dataclass
+class _TimeLayout:
+    """Where a time key's frames go in the block's flat ``[frames, ...]`` array."""
+
+    time: np.ndarray  # int64 [k]: each batch's padded length
+    lengths: np.ndarray  # int64 [N]: each sequence's length
+    src: np.ndarray | None = None  # frame indices into the packed data (None: whole rows, see gather)
+    dst: np.ndarray | None = None  # their positions in the flat array (None: no padding anywhere)
+
+
+def gather_block(
+    gather: PackedGather, entries: EpochEntries, ranges: Sequence[tuple[int, int]], start: int,
+    max_batches: int, max_bytes: int,
+) -> list[dict[str, Field]] | None:
+    """The fields of batches ``start, start + 1, ...``: the first always, the next while the bytes
+    before them stay under ``max_bytes`` (at most ``max_batches``, never past the plan's end).
+    None when a block does not apply; then the caller gathers batch by batch."""
+    if entries.spans or any(kp.check_labels for kp in gather.keys):
+        return None
+    block = _block(entries, ranges, start, min(len(ranges), start + max_batches))
+    if block is None:
+        return None
+    layouts = _time_layouts(gather.keys, block)
+    if layouts is None:
+        return None
+    k = _fitting(gather.keys, block, layouts, max_bytes)
+    if k < len(block.num_seqs):  # fewer batches than planned: the block's first k
+        block = _block(entries, ranges, start, start + k)
+        assert block is not None
+        layouts = _time_layouts(gather.keys, block)
+        assert layouts is not None
+    return _fields(gather.keys, block, layouts)
+
+
+def _block(entries: EpochEntries, ranges: Sequence[tuple[int, int]], start: int, stop: int) -> _Block | None:
+    bounds = np.array(ranges[start:stop], dtype=np.int64).reshape(-1, 2)
+    num_seqs = bounds[:, 1] - bounds[:, 0]
+    if not len(num_seqs) or not num_seqs.all():
+        return None
+    seq_off = _starts_of(num_seqs)
+    # the entries of the batches, in batch order (consecutive unless the batches were shuffled)
+    pos = np.arange(int(num_seqs.sum()), dtype=np.int64) + np.repeat(bounds[:, 0] - seq_off, num_seqs)
+    return _Block(entries.seq_idx[pos], num_seqs, seq_off)
+
+
+def _starts_of(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=out[1:])
+    return out
+
+
+def _time_layouts(keys: list[KeyPlan], block: _Block) -> dict[tuple[int, int], _TimeLayout] | None:
+    """One layout per distinct (starts, lengths) of the time keys; None when some key has long rows."""
+    layouts: dict[tuple[int, int], _TimeLayout] = {}
+    for kp in keys:
+        pk = kp.pk
+        if pk.starts is None or pk.lengths is None or (id(pk.starts), id(pk.lengths)) in layouts:
+            continue
+        if pk.fixed_length is not None:
+            n = len(block.idx)
+            layout = _TimeLayout(np.full(len(block.num_seqs), pk.fixed_length, np.int64),
+                                 np.full(n, pk.fixed_length, np.int64))
+        else:
+            lengths = pk.lengths[block.idx]
+            if lengths.sum() > packing.LONG_ROWS * len(lengths):
+                return None
+            layout = _padded_layout(pk.starts[block.idx], lengths, block)
+        layouts[id(pk.starts), id(pk.lengths)] = layout
+    return layouts
+
+
+def _padded_layout(starts: np.ndarray, lengths: np.ndarray, block: _Block) -> _TimeLayout:
+    """Frame by frame: source index in the packed data, position in the flat padded array."""
+    time = np.maximum.reduceat(lengths, block.seq_off)
+    seq_time = np.repeat(time, block.num_seqs)
+    region_off = _starts_of(block.num_seqs * time)  # each batch's [B, T] region
+    row_in_batch = np.arange(len(lengths), dtype=np.int64) - np.repeat(block.seq_off, block.num_seqs)
+    row_start = np.repeat(region_off, block.num_seqs) + row_in_batch * seq_time
+    frame = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(_starts_of(lengths), lengths)
+    padded = bool((lengths != seq_time).any())
+    dst = np.repeat(row_start, lengths) + frame if padded else None
+    return _TimeLayout(time, lengths, np.repeat(starts, lengths) + frame, dst)
+
+
+def _row_bytes(kp: KeyPlan) -> int:
+    return int(np.prod(kp.pk.data.shape[1:], dtype=np.int64)) * kp.dtype.itemsize
+
+
+def _fitting(keys: list[KeyPlan], block: _Block, layouts: dict[tuple[int, int], _TimeLayout], max_bytes: int) -> int:
+    """How many of the block's batches to keep: a batch is loaded while the bytes before it are under
+    ``max_bytes`` (tensors and lengths, as :func:`kit.data.ahead.batch_bytes` counts them)."""
+    per_batch = np.zeros(len(block.num_seqs), dtype=np.int64)
+    for kp in keys:
+        layout = _layout_of(kp, layouts)
+        if layout is None:
+            per_batch += block.num_seqs * _row_bytes(kp)
+        else:
+            per_batch += block.num_seqs * (layout.time * _row_bytes(kp) + 4)
+    before = np.cumsum(per_batch)[:-1]
+    return 1 + int(np.searchsorted(before, max_bytes, side="left"))
+
+
+def _layout_of(kp: KeyPlan, layouts: dict[tuple[int, int], _TimeLayout]) -> _TimeLayout | None:
+    pk = kp.pk
+    return None if pk.starts is None else layouts[id(pk.starts), id(pk.lengths)]
+
+
+def _fields(keys: list[KeyPlan], block: _Block, layouts: dict[tuple[int, int], _TimeLayout]) -> list[dict[str, Field]]:
+    k, splits = len(block.num_seqs), block.num_seqs.tolist()
+    fields: list[dict[str, Field]] = [{} for _ in range(k)]
+    masks: dict[tuple[int, int], list[torch.Tensor]] = {}  # keys of one layout: one mask array, own views
+    for kp in keys:
+        sparse_dim = kp.spec.sparse_dim if kp.spec is not None else None
+        layout = _layout_of(kp, layouts)
+        if layout is None:  # no time axis: rows
+            rows = np.empty((len(block.idx), *kp.pk.data.shape[1:]), kp.dtype)
+            packing.fill_rows(rows, kp.pk.data, block.idx)
+            for b, t in enumerate(torch.from_numpy(rows).split(splits)):
+                fields[b][kp.key] = Field(t, None, sparse_dim)
+            continue
+        tensors = _time_tensors(kp, block, layout)
+        lengths = torch.from_numpy(layout.lengths.astype(np.int32)).split(splits)
+        mask_key = (id(kp.pk.starts), id(kp.pk.lengths))
+        if mask_key not in masks:
+            masks[mask_key] = _masks(block, layout)
+        for b in range(k):
+            f = Field(tensors[b], lengths[b], sparse_dim)
+            f.prepare_mask(masks[mask_key][b])
+            fields[b][kp.key] = f
+    return fields
+
+
+def _time_tensors(kp: KeyPlan, block: _Block, layout: _TimeLayout) -> list[torch.Tensor]:
+    """Each batch's ``[B, T, ...]`` tensor, views of one array."""
+    pk, rest = kp.pk, kp.pk.data.shape[1:]
+    if layout.src is None:  # one length: [N, L, ...] rows, whole or frame by frame
+        length = int(layout.time[0])
+        out = np.empty((len(block.idx), length, *rest), kp.dtype)
+        if kp.rows is not None:
+            packing.fill_rows(out, kp.rows, block.idx)
+        else:
+            assert pk.starts is not None
+            packing.fill_full(out, pk.data, pk.starts[block.idx])
+        return list(torch.from_numpy(out).split(block.num_seqs.tolist()))
+    sizes = block.num_seqs * layout.time
+    flat = (np.zeros if layout.dst is not None else np.empty)((int(sizes.sum()), *rest), kp.dtype)
+    if layout.dst is None:
+        packing.fill_rows(flat, pk.data, layout.src)
+    else:
+        flat[layout.dst] = pk.data[layout.src]
+    parts = torch.from_numpy(flat).split(sizes.tolist())
+    return [p.view(b, t, *rest) for p, b, t in zip(parts, block.num_seqs.tolist(), layout.time.tolist())]
+
+
+def _masks(block: _Block, layout: _TimeLayout) -> list[torch.Tensor]:
+    """Each batch's ``[B, T]`` bool mask (True on real frames), views of one array."""
+    sizes = block.num_seqs * layout.time
+    if layout.dst is None:
+        flat = np.ones(int(sizes.sum()), dtype=bool)
+    else:
+        flat = np.zeros(int(sizes.sum()), dtype=bool)
+        flat[layout.dst] = True
+    parts = torch.from_numpy(flat).split(sizes.tolist())
+    return [p.view(b, t) for p, b, t in zip(parts, block.num_seqs.tolist(), layout.time.tolist())]
