@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import numbers
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -319,14 +319,27 @@ def _shape_problem(name: str, tensor: torch.Tensor, spec: Any) -> str | None:
 # ---- the active context -------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def run_ctx_scope(ctx: RunCtx) -> Iterator[RunCtx]:
-    """Make ``ctx`` what :func:`get_run_ctx` returns inside the block; restores the previous one."""
-    token = _active.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _active.reset(token)
+class run_ctx_scope:  # noqa: N801 - used like the function it was: ``with run_ctx_scope(ctx):``
+    """Make ``ctx`` what :func:`get_run_ctx` returns inside the block; restores the previous one.
+
+    A class, not a generator: it is entered on every step, and a generator-based context
+    manager costs several Python calls more each time.
+    """
+
+    __slots__ = ("ctx", "_token")
+
+    def __init__(self, ctx: RunCtx):
+        self.ctx = ctx
+        self._token: contextvars.Token | None = None
+
+    def __enter__(self) -> RunCtx:
+        self._token = _active.set(self.ctx)
+        return self.ctx
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._token is not None
+        _active.reset(self._token)
+        self._token = None
 
 
 def get_run_ctx() -> RunCtx:

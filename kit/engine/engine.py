@@ -248,15 +248,21 @@ class Engine:
 
     def train_step(self, *, probe_lr: float | None = None) -> StepResult | None:
         """Train on the next micro-batch of the current epoch; None once the epoch's data is used up.
-        ``probe_lr``: a probe step (the LR finder) at this learning rate, without log line or step checkpoint."""
-        self.ensure_training_parts()
-        p, guard = self.progress, self.guard
+        ``probe_lr``: a probe step (the LR finder) at this learning rate, without log line or step checkpoint.
+
+        Every line here runs once per step with the CPU caches cold from the model's compute, where a
+        Python call costs about a microsecond: the parts are read once into locals, and a phase that is
+        off (guard, debugger, AMP, DDP) costs one test."""
+        if self.updater is None:
+            self.ensure_training_parts()
+        p, guard, updater, pipeline, memory = self.progress, self.guard, self.updater, self.train_pipeline, self.memory
+        assert updater is not None and pipeline is not None and memory is not None
         if not p.epoch_running:
             epochs.begin_epoch(self)
         if p.steps_exhausted:
             return None
         # fetch: the next batch of the planned epoch (CPU), then to the device
-        batch = next(self.built_pipeline, None)
+        batch = next(pipeline, None)
         if batch is None:
             p.steps_exhausted = True
             return None
@@ -271,13 +277,16 @@ class Engine:
             guard.begin_step()
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
-            self.built_updater.optimizer.zero_grad(set_to_none=True)
+            updater.optimizer.zero_grad(set_to_none=True)
         lr = epochs.set_step_learning_rate(self, opts) if probe_lr is None else self.set_probe_learning_rate(probe_lr)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
         self.step_rng_state = torch_rng_state() if self.debugger is not None else None
-        train_step, accum_multiple = opts.train_step, epochs.accum_grad_multiple_step(self, batch, opts)
+        train_step = opts.train_step
+        accum_multiple = opts.accum_grad_multiple_step
+        if not isinstance(accum_multiple, int) or accum_multiple < 1:  # a function of the position, say
+            accum_multiple = epochs.accum_grad_multiple_step(self, batch, opts)
         if self.dist:  # through DDP's forward; gradients sync on the last micro-batch of a window (or epoch)
             last = p.accum_count + 1 >= accum_multiple or batch.complete_frac == 1
             train_step = self.dist.train_step(train_step, sync=last)
@@ -298,7 +307,7 @@ class Engine:
         else:
             self.accounting.add(step_losses)
         # memory: the step's peak window closes (CUDA host counters; nothing is read elsewhere)
-        peak = self.built_memory.end_step()
+        peak = memory.end_step()
         result = StepResult(p.epoch, p.step_in_epoch, p.global_train_step, lr, updated,
                             time.perf_counter() - t0, batch.num_seqs, batch.complete_frac, step_losses, grad_norm,
                             peak)

@@ -54,7 +54,7 @@ class TrainingLoop:
     def next_unit(self) -> Unit | None:
         """Run the next unit; None (after ``train_end``) once every epoch is trained."""
         engine = self.engine
-        if engine.all_trained:
+        if not engine.progress.epoch_running and engine.all_trained:  # (within an epoch: a step or its end)
             self._end()
             return None
         if not self.running:
