@@ -146,7 +146,6 @@ def _layout_of(kp: KeyPlan, layouts: dict[tuple[int, int], _TimeLayout]) -> _Tim
 def _fields(keys: list[KeyPlan], block: _Block, layouts: dict[tuple[int, int], _TimeLayout]) -> list[dict[str, Field]]:
     k, splits = len(block.num_seqs), block.num_seqs.tolist()
     fields: list[dict[str, Field]] = [{} for _ in range(k)]
-    masks: dict[tuple[int, int], list[torch.Tensor]] = {}  # keys of one layout: one mask array, own views
     for kp in keys:
         sparse_dim = kp.spec.sparse_dim if kp.spec is not None else None
         layout = _layout_of(kp, layouts)
@@ -158,12 +157,10 @@ def _fields(keys: list[KeyPlan], block: _Block, layouts: dict[tuple[int, int], _
             continue
         tensors = _time_tensors(kp, block, layout)
         lengths = torch.from_numpy(layout.lengths.astype(np.int32)).split(splits)
-        mask_key = (id(kp.pk.starts), id(kp.pk.lengths))
-        if mask_key not in masks:
-            masks[mask_key] = _masks(block, layout)
+        masks = _masks(block, layout)  # each key its own: a mask handed out is the caller's to change
         for b in range(k):
             f = Field(tensors[b], lengths[b], sparse_dim)
-            f.prepare_mask(masks[mask_key][b])
+            f.prepare_mask(masks[b])
             fields[b][kp.key] = f
     return fields
 

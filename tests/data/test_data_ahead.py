@@ -35,6 +35,23 @@ class Windows(ArrayDataset):
         return {"data": PackedKey(self.base, self.starts, lengths), "classes": PackedKey(self.labels, self.starts, lengths)}
 
 
+class SharedLayout(ArrayDataset):
+    """Two keys packed with the very same starts and lengths arrays, of varying lengths (padding)."""
+
+    def __init__(self, n=300):
+        rng = np.random.default_rng(2)
+        self.lengths = rng.integers(1, 7, n).astype(np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]]).astype(np.int64)
+        total = int(self.lengths.sum())
+        self.base, self.labels = rng.normal(size=(total, 3)), rng.integers(0, 5, total).astype(np.int32)
+        super().__init__([{"data": self.base[s : s + t], "classes": self.labels[s : s + t]}
+                          for s, t in zip(self.starts, self.lengths)])
+
+    def packed(self):
+        return {"data": PackedKey(self.base, self.starts, self.lengths),
+                "classes": PackedKey(self.labels, self.starts, self.lengths)}
+
+
 def seqs(n=300, seed=0, max_len=6, fixed=None):
     rng = np.random.default_rng(seed)
     out = []
@@ -253,6 +270,7 @@ def blocks(monkeypatch):
         (lambda: ArrayDataset(seqs(fixed=1)), SPEC),  # whole rows of one frame
         (lambda: ArrayDataset(seqs(fixed=4)), None),
         (lambda: Windows(), SPEC),  # one length, rows not back to back
+        (lambda: SharedLayout(), SPEC),  # keys of one layout: each still gets its own mask
         (lambda: ArrayDataset([{"data": np.full((t, 2, 2), t, np.float64), "classes": np.arange(t) % 3}
                                for t in [1, 3, 2, 5, 4] * 40]),
          {"data": {"shape": (None, 2, 2), "dtype": "float32"}, "classes": {"shape": (None,), "sparse_dim": 3}}),
@@ -268,6 +286,9 @@ def test_block_gather_equals_one_by_one(monkeypatch, blocks, make_ds, spec, opts
     got = make()
     assert [n for n in blocks if n is not None] and None not in blocks  # every load after the first one: a block
     assert len(got) == len(ref) > 2
+    got[1]["classes"].mask().fill_(True)  # a prepared mask is the caller's: no other key's changes with it
+    assert torch.equal(got[1]["data"].mask(), ref[1]["data"].mask())
+    got, ref = got[2:], ref[2:]
     for x, y in zip(got, ref):
         same(x, y)
         for key in x:
