@@ -314,7 +314,16 @@ def _save(page, lab: Lab, rel: str) -> dict:
 
     def written() -> bool:
         if dialog.count() and dialog.first.is_visible():
-            page.locator(".jp-Dialog .jp-mod-accept").first.click()
+            # its accept button (Overwrite, OK); a dialog re-rendered meanwhile, or one without that
+            # class, gets Enter (JupyterLab's default button): the polling goes on either way
+            accept = page.locator(".jp-Dialog .jp-mod-accept")
+            try:
+                if accept.count():
+                    accept.first.click(timeout=2000)
+                else:
+                    page.keyboard.press("Enter")
+            except Exception:  # noqa: BLE001 - a playwright timeout: asked again on the next poll
+                page.keyboard.press("Enter")
         try:  # JupyterLab writes a temporary file and renames it: the file can be missing for a moment
             return lab.saved(rel)["last_modified"] != before
         except urllib.error.HTTPError:
