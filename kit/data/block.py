@@ -8,13 +8,16 @@ for all batches at once, and each batch gets views of these arrays (one ``split`
 
 The batches are exactly those gathered one by one (same shapes, dtypes, values, padding).
 A batch that is kept keeps its block's arrays alive (at most ``kit.data.ahead.MAX_BYTES``
-plus the last batch). Where a block does not pay or cannot be exact — chunk spans, labels
+plus the last batch). The arrays are carved from buffers that are used again once no
+tensor of theirs is alive (:class:`BlockMemory`): fresh 2 MB blocks cost the kernel's
+page faults (~5 per batch of 64 length-1 sequences), while a buffer used again is resident. Where a block does not pay or cannot be exact — chunk spans, labels
 that some batch must check and name, long rows (a copy per row beats an index per frame) —
 :func:`gather_block` returns None and the batches are gathered one by one.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,7 +51,7 @@ class _TimeLayout:
 
 def gather_block(
     gather: PackedGather, entries: EpochEntries, ranges: Sequence[tuple[int, int]], start: int,
-    max_batches: int, max_bytes: int,
+    max_batches: int, max_bytes: int, memory: BlockMemory | None = None,
 ) -> list[dict[str, Field]] | None:
     """The fields of batches ``start, start + 1, ...``: the first always, the next while the bytes
     before them stay under ``max_bytes`` (at most ``max_batches``, never past the plan's end).
@@ -67,7 +70,67 @@ def gather_block(
         assert block is not None
         layouts = _time_layouts(gather.keys, block)
         assert layouts is not None
-    return _fields(gather.keys, block, layouts)
+    carver = (memory or BlockMemory(keep=0)).carver()
+    fields = _fields(gather.keys, block, layouts, carver)
+    if memory is not None:
+        memory.used(carver)
+    return fields
+
+
+class BlockMemory:
+    """Buffers that blocks' arrays are carved from, each used again once no array carved from it
+    is alive (no batch of its block is left): CPython's reference count of the buffer says so,
+    since every carved array, and every tensor over one, holds a reference to it."""
+
+    _UNUSED = 3  # references to a buffer nobody views: the list, the loop variable, getrefcount's argument
+
+    def __init__(self, keep: int = 3):
+        self.keep = keep
+        self._buffers: list[np.ndarray] = []
+        self._want = 0  # bytes the largest block so far used
+
+    def carver(self) -> _Carver:
+        """Arrays for the next block, from a buffer nobody views any more (a new one if none is)."""
+        buffer = None
+        for buf in self._buffers:
+            if buf.nbytes >= self._want and sys.getrefcount(buf) <= self._UNUSED:
+                buffer = buf
+                break
+        if buffer is None and self.keep and self._want:
+            buffer = np.empty(self._want + _ALIGN, np.uint8)
+            self._buffers.append(buffer)
+            if len(self._buffers) > self.keep:  # the oldest goes: freed once its batches are
+                self._buffers.pop(0)
+        return _Carver(buffer)
+
+    def used(self, carver: _Carver) -> None:
+        self._want = max(self._want, carver.total)
+
+
+_ALIGN = 64  # bytes: every carved array starts at a multiple (as torch's own allocations do)
+
+
+class _Carver:
+    """One block's arrays, one after the other in ``buffer`` while they fit, else allocated on their own."""
+
+    def __init__(self, buffer: np.ndarray | None):
+        self.buffer = buffer
+        self.offset = 0 if buffer is None else -buffer.ctypes.data % _ALIGN
+        self.total = 0  # bytes asked for, aligned: what the next block's buffer should hold
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype, *, zero: bool) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = -(-nbytes // _ALIGN) * _ALIGN
+        self.total += size
+        buf = self.buffer
+        if buf is None or self.offset + nbytes > buf.nbytes:
+            return np.zeros(shape, dtype) if zero else np.empty(shape, dtype)
+        out = buf[self.offset : self.offset + nbytes].view(dtype).reshape(shape)
+        self.offset += size
+        if zero:
+            out.fill(0)
+        return out
 
 
 def _block(entries: EpochEntries, ranges: Sequence[tuple[int, int]], start: int, stop: int) -> _Block | None:
@@ -143,21 +206,25 @@ def _layout_of(kp: KeyPlan, layouts: dict[tuple[int, int], _TimeLayout]) -> _Tim
     return None if pk.starts is None else layouts[id(pk.starts), id(pk.lengths)]
 
 
-def _fields(keys: list[KeyPlan], block: _Block, layouts: dict[tuple[int, int], _TimeLayout]) -> list[dict[str, Field]]:
+def _fields(
+    keys: list[KeyPlan], block: _Block, layouts: dict[tuple[int, int], _TimeLayout], new: _Carver
+) -> list[dict[str, Field]]:
     k, splits = len(block.num_seqs), block.num_seqs.tolist()
     fields: list[dict[str, Field]] = [{} for _ in range(k)]
     for kp in keys:
         sparse_dim = kp.spec.sparse_dim if kp.spec is not None else None
         layout = _layout_of(kp, layouts)
         if layout is None:  # no time axis: rows
-            rows = np.empty((len(block.idx), *kp.pk.data.shape[1:]), kp.dtype)
+            rows = new.array((len(block.idx), *kp.pk.data.shape[1:]), kp.dtype, zero=False)
             packing.fill_rows(rows, kp.pk.data, block.idx)
             for b, t in enumerate(torch.from_numpy(rows).split(splits)):
                 fields[b][kp.key] = Field(t, None, sparse_dim)
             continue
-        tensors = _time_tensors(kp, block, layout)
-        lengths = torch.from_numpy(layout.lengths.astype(np.int32)).split(splits)
-        masks = _masks(block, layout)  # each key its own: a mask handed out is the caller's to change
+        tensors = _time_tensors(kp, block, layout, new)
+        lengths_array = new.array((len(block.idx),), np.dtype(np.int32), zero=False)
+        lengths_array[:] = layout.lengths
+        lengths = torch.from_numpy(lengths_array).split(splits)
+        masks = _masks(block, layout, new)  # each key its own: a mask handed out is the caller's to change
         for b in range(k):
             f = Field(tensors[b], lengths[b], sparse_dim)
             f.prepare_mask(masks[b])
@@ -165,12 +232,12 @@ def _fields(keys: list[KeyPlan], block: _Block, layouts: dict[tuple[int, int], _
     return fields
 
 
-def _time_tensors(kp: KeyPlan, block: _Block, layout: _TimeLayout) -> list[torch.Tensor]:
+def _time_tensors(kp: KeyPlan, block: _Block, layout: _TimeLayout, new: _Carver) -> list[torch.Tensor]:
     """Each batch's ``[B, T, ...]`` tensor, views of one array."""
     pk, rest = kp.pk, kp.pk.data.shape[1:]
     if layout.src is None:  # one length: [N, L, ...] rows, whole or frame by frame
         length = int(layout.time[0])
-        out = np.empty((len(block.idx), length, *rest), kp.dtype)
+        out = new.array((len(block.idx), length, *rest), kp.dtype, zero=False)
         if kp.rows is not None:
             packing.fill_rows(out, kp.rows, block.idx)
         else:
@@ -178,7 +245,7 @@ def _time_tensors(kp: KeyPlan, block: _Block, layout: _TimeLayout) -> list[torch
             packing.fill_full(out, pk.data, pk.starts[block.idx])
         return list(torch.from_numpy(out).split(block.num_seqs.tolist()))
     sizes = block.num_seqs * layout.time
-    flat = (np.zeros if layout.dst is not None else np.empty)((int(sizes.sum()), *rest), kp.dtype)
+    flat = new.array((int(sizes.sum()), *rest), kp.dtype, zero=layout.dst is not None)
     if layout.dst is None:
         packing.fill_rows(flat, pk.data, layout.src)
     else:
@@ -187,13 +254,13 @@ def _time_tensors(kp: KeyPlan, block: _Block, layout: _TimeLayout) -> list[torch
     return [p.view(b, t, *rest) for p, b, t in zip(parts, block.num_seqs.tolist(), layout.time.tolist())]
 
 
-def _masks(block: _Block, layout: _TimeLayout) -> list[torch.Tensor]:
+def _masks(block: _Block, layout: _TimeLayout, new: _Carver) -> list[torch.Tensor]:
     """Each batch's ``[B, T]`` bool mask (True on real frames), views of one array."""
     sizes = block.num_seqs * layout.time
+    flat = new.array((int(sizes.sum()),), np.dtype(bool), zero=layout.dst is not None)
     if layout.dst is None:
-        flat = np.ones(int(sizes.sum()), dtype=bool)
+        flat.fill(True)
     else:
-        flat = np.zeros(int(sizes.sum()), dtype=bool)
         flat[layout.dst] = True
     parts = torch.from_numpy(flat).split(sizes.tolist())
     return [p.view(b, t) for p, b, t in zip(parts, block.num_seqs.tolist(), layout.time.tolist())]

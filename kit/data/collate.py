@@ -24,7 +24,7 @@ import torch.utils.data
 from kit.data import packed as packing
 from kit.data.batch import Batch, Field
 from kit.data.batching import Entry, EpochEntries, PlannedBatch
-from kit.data.block import gather_block
+from kit.data.block import BlockMemory, gather_block
 from kit.data.dataset import TorchDataset, as_numpy
 from kit.data.extern_data import DataSpec, ExternData, check_array, kind_ok, labels_in_range
 from kit.data.first_sight import FirstSight, all_plain, plain_dicts
@@ -64,6 +64,7 @@ class BatchLoader:
 
     def _reset(self) -> None:
         self._packed: PackedGather | None | bool = False  # False: not asked yet
+        self._block_memory = BlockMemory()  # the buffers the blocks of batches loaded ahead are carved from
         self._sight = FirstSight(len(self.dataset))
         # a TorchDataset as it comes: items of seen sequences are read straight from the wrapped dataset
         ds = self.dataset
@@ -138,7 +139,7 @@ class BatchLoader:
         packed = self._packed_gather(entries.seq_idx[first : first + 1], tag_of)
         if packed is None:
             return None
-        blocks = gather_block(packed, entries, ranges, start, max_batches, max_bytes)
+        blocks = gather_block(packed, entries, ranges, start, max_batches, max_bytes, self._block_memory)
         if blocks is None:
             return None
         out = []

@@ -6,6 +6,7 @@ import torch
 
 from kit.data import ArrayDataset, Pipeline, batches
 from kit.data import ahead as ahead_mod
+from kit.data.block import BlockMemory
 from kit.data.collate import BatchLoader
 from kit.data.packed import PackedKey
 from kit.errors import DataError
@@ -322,3 +323,35 @@ def test_block_gather_falls_back_where_it_does_not_apply(monkeypatch, blocks):
         assert blocks and set(blocks) == {None}
         for x, y in zip(got, ref):
             same(x, y)
+
+
+def test_block_buffers_are_used_again_only_once_no_batch_holds_them(monkeypatch):
+    ds = ArrayDataset(seqs(n=600, max_len=9))
+    monkeypatch.setattr(ahead_mod, "MAX_BATCHES", 8)
+    pipe = Pipeline(ds, extern_data=SPEC, batch_size=10**6, max_seqs=3, seq_ordering="random")
+    ref = one_by_one(monkeypatch, lambda: list(Pipeline(ds, extern_data=SPEC, batch_size=10**6, max_seqs=3,
+                                                         seq_ordering="random")))
+    kept = {}
+    for i, batch in enumerate(pipe):  # batches of 25 blocks go by; every fifth one is kept
+        if i % 5 == 0:
+            kept[i] = batch
+    assert len(kept) > 10
+    for i, batch in kept.items():  # what later blocks were carved into never overwrote a kept batch
+        same(batch, ref[i])
+        assert torch.equal(batch["classes"].mask(), ref[i]["classes"].mask())
+    memory = BlockMemory(keep=2)
+    carver = memory.carver()  # the first block: no buffer yet (its size is not known)
+    a = carver.array((4, 3), np.dtype(np.float32), zero=True)
+    memory.used(carver)
+    first = memory.carver()
+    b = first.array((4, 3), np.dtype(np.float32), zero=False)
+    assert b.ctypes.data % 64 == 0 and b.base is not None
+    b[:] = 5
+    memory.used(first)
+    held = torch.from_numpy(b)  # a tensor over it: its buffer stays busy
+    del b
+    second = memory.carver().array((4, 3), np.dtype(np.float32), zero=True)
+    assert not np.shares_memory(second, held.numpy()) and (held == 5).all() and not second.any()
+    del held, second
+    third = memory.carver().array((4, 3), np.dtype(np.float32), zero=True)  # both buffers free again
+    assert not third.any() and a.shape == (4, 3)
