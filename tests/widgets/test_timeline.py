@@ -77,3 +77,24 @@ def test_scores_keep_numbers_and_skip_untrained_epochs() -> None:
     t.add_scores(1, {"learning_rate": 0.1, "dev_loss_ce": 0.5, "note": "x"})
     t.add_scores(2, {"learning_rate": 0.1})
     assert t.scores == {1: {"learning_rate": 0.1, "dev_loss_ce": 0.5}}
+
+
+def test_history_reads_cpu_losses_every_64_steps_and_memory_every_flush_every() -> None:
+    from kit.engine.memory import MemoryFigures
+    from kit.session import history as history_mod
+
+    h = history_mod.History(flush_every=150)
+    reads: list[int] = []
+    h.memory_source = lambda: reads.append(len(h)) or MemoryFigures(rss=123)  # type: ignore[func-returns-value]
+    read_at = []
+    for g in range(300):
+        before = len(h.rows)
+        h.on_step_end(step(g, {"ce": float(g)}))  # type: ignore[arg-type]
+        if len(h.rows) != before:
+            read_at.append(len(h.rows))
+    assert history_mod.CPU_FLUSH_EVERY == 64
+    assert read_at == [64, 128, 150, 214, 278, 300]  # every 64 pending steps, and with each memory read
+    assert reads == [150, 300]  # the memory figures: every flush_every steps, not at every read
+    rows = h.rows
+    assert [r["global_train_step"] for r in rows if "memory_rss" in r] == [149, 299]
+    assert [r["ce"] for r in rows] == pytest.approx([float(g) for g in range(len(rows))])
