@@ -9,10 +9,12 @@ for all batches at once, and each batch gets views of these arrays (one ``split`
 The batches are exactly those gathered one by one (same shapes, dtypes, values, padding).
 A batch that is kept keeps its block's arrays alive (at most ``kit.data.ahead.MAX_BYTES``
 plus the last batch). The arrays are carved from buffers that are used again once no
-tensor of theirs is alive (:class:`BlockMemory`): fresh 2 MB blocks cost the kernel's
-page faults (~5 per batch of 64 length-1 sequences), while a buffer used again is resident. Where a block does not pay or cannot be exact — chunk spans, labels
-that some batch must check and name, long rows (a copy per row beats an index per frame) —
-:func:`gather_block` returns None and the batches are gathered one by one.
+tensor of theirs is alive (:class:`BlockMemory`): a fresh 2 MB block costs the kernel's page
+faults (~2 per batch of 64 length-1 sequences), a buffer used again is resident.
+
+Where a block does not pay or cannot be exact — chunk spans, labels that some batch must
+check and name, long rows (a copy per row beats an index per frame) — :func:`gather_block`
+returns None and the batches are gathered one by one.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 Steps append their loss tensors (still on the device); they are copied to the host in one
 transfer per ``flush_every`` steps (every ``CPU_FLUSH_EVERY`` when they live on the CPU) or
-when someone reads the history. Beyond ``max_rows``
-the older rows are thinned out (every other one, by step number), so a week-long run stays
-small in memory. Views (the dashboard's timeline) read these rows; they keep no copy.
+when someone reads the history. Beyond ``max_rows`` the older rows are thinned out (every
+other one, by step number), so a week-long run stays small in memory. Views (the dashboard's timeline) read these rows; they keep no copy.
 
 Memory columns: ``memory_peak`` (a CUDA step's peak, measured by the engine) on every row;
 the memory figures now (``memory_allocated`` / ``memory_reserved``, or ``memory_rss``) on
@@ -67,8 +66,8 @@ class History:
             return
         pending = self._pending
         if not pending:  # losses on the CPU: reading them costs no sync, so they are read sooner
-            self._flush_at = self.flush_every if losses_device(result.step_losses).type != "cpu" else min(
-                self.flush_every, CPU_FLUSH_EVERY)
+            on_cpu = losses_device(result.step_losses).type == "cpu"
+            self._flush_at = min(self.flush_every, CPU_FLUSH_EVERY) if on_cpu else self.flush_every
         pending.append(result)
         self._since_memory += 1
         if self._since_memory >= self.flush_every:
