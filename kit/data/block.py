@@ -140,16 +140,10 @@ def _block(entries: EpochEntries, ranges: Sequence[tuple[int, int]], start: int,
     num_seqs = bounds[:, 1] - bounds[:, 0]
     if not len(num_seqs) or not num_seqs.all():
         return None
-    seq_off = _starts_of(num_seqs)
+    seq_off = packing.starts_of(num_seqs)
     # the entries of the batches, in batch order (consecutive unless the batches were shuffled)
     pos = np.arange(int(num_seqs.sum()), dtype=np.int64) + np.repeat(bounds[:, 0] - seq_off, num_seqs)
     return _Block(entries.seq_idx[pos], num_seqs, seq_off)
-
-
-def _starts_of(counts: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(counts), dtype=np.int64)
-    np.cumsum(counts[:-1], out=out[1:])
-    return out
 
 
 def _time_layouts(keys: list[KeyPlan], block: _Block) -> dict[tuple[int, int], _TimeLayout] | None:
@@ -176,10 +170,10 @@ def _padded_layout(starts: np.ndarray, lengths: np.ndarray, block: _Block) -> _T
     """Frame by frame: source index in the packed data, position in the flat padded array."""
     time = np.maximum.reduceat(lengths, block.seq_off)
     seq_time = np.repeat(time, block.num_seqs)
-    region_off = _starts_of(block.num_seqs * time)  # each batch's [B, T] region
+    region_off = packing.starts_of(block.num_seqs * time)  # each batch's [B, T] region
     row_in_batch = np.arange(len(lengths), dtype=np.int64) - np.repeat(block.seq_off, block.num_seqs)
     row_start = np.repeat(region_off, block.num_seqs) + row_in_batch * seq_time
-    frame = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(_starts_of(lengths), lengths)
+    frame = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(packing.starts_of(lengths), lengths)
     padded = bool((lengths != seq_time).any())
     dst = np.repeat(row_start, lengths) + frame if padded else None
     return _TimeLayout(time, lengths, np.repeat(starts, lengths) + frame, dst)

@@ -319,6 +319,5 @@ def _fill(out: np.ndarray, flat: np.ndarray, lengths: np.ndarray | None, zero_pa
     if lengths is None or not len(lengths):
         out[...] = flat.reshape(out.shape)  # no padding: one copy (and the cast to the declared dtype)
         return
-    starts = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    packing.fill_padded(out, flat, starts, lengths.astype(np.int64), zero_padding=zero_padding, full=False)
+    packing.fill_padded(out, flat, packing.starts_of(lengths), lengths.astype(np.int64), zero_padding=zero_padding,
+                        full=False)

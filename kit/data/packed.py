@@ -61,9 +61,14 @@ class PackedKey:
         if arrays[0].ndim == 0:
             return cls(np.stack(arrays))
         lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
-        starts = np.zeros(len(arrays), dtype=np.int64)
-        np.cumsum(lengths[:-1], out=starts[1:])
-        return cls(np.concatenate(arrays), starts, lengths)
+        return cls(np.concatenate(arrays), starts_of(lengths), lengths)
+
+
+def starts_of(lengths: np.ndarray) -> np.ndarray:
+    """Where each of back-to-back runs of these lengths starts (int64; the exclusive cumulative sum)."""
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return starts
 
 
 def pack_seqs(seqs: Sequence[Mapping[str, np.ndarray]]) -> dict[str, PackedKey] | None:

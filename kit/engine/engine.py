@@ -249,10 +249,7 @@ class Engine:
     def train_step(self, *, probe_lr: float | None = None) -> StepResult | None:
         """Train on the next micro-batch of the current epoch; None once the epoch's data is used up.
         ``probe_lr``: a probe step (the LR finder) at this learning rate, without log line or step checkpoint.
-
-        Every line here runs once per step with the CPU caches cold from the model's compute, where a
-        Python call costs about a microsecond: the parts are read once into locals, and a phase that is
-        off (guard, debugger, AMP, DDP) costs one test."""
+        Each call here costs ~1 µs (caches cold from the model's compute): parts are read once into locals."""
         if self.updater is None:
             self.ensure_training_parts()
         p, guard, updater, pipeline, memory = self.progress, self.guard, self.updater, self.train_pipeline, self.memory
@@ -284,9 +281,7 @@ class Engine:
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
         self.step_rng_state = torch_rng_state() if self.debugger is not None else None
         train_step = opts.train_step
-        accum_multiple = opts.accum_grad_multiple_step
-        if not isinstance(accum_multiple, int) or accum_multiple < 1:  # a function of the position, say
-            accum_multiple = epochs.accum_grad_multiple_step(self, batch, opts)
+        accum_multiple = opts.accum_fixed or epochs.accum_grad_multiple_step(self, batch, opts)
         if self.dist:  # through DDP's forward; gradients sync on the last micro-batch of a window (or epoch)
             last = p.accum_count + 1 >= accum_multiple or batch.complete_frac == 1
             train_step = self.dist.train_step(train_step, sync=last)
@@ -337,10 +332,7 @@ class Engine:
         updater.apply_gradient_noise()
         grad_norm = updater.clip_gradients()
         step: Callable[[], object] = optimizer.step if scaler is None else lambda: scaler.step(optimizer)
-        if guarded:
-            self.guard.step_optimizer(step)
-        else:
-            step()
+        self.guard.step_optimizer(step) if guarded else step()
         if scaler is not None:
             scaler.update()
         p.num_updates += 1

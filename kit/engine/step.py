@@ -52,14 +52,17 @@ class StepOptions:
     guard: bool
     log_every: int
     save_every: int  # 0: no step checkpoints
+    accum_fixed: int | None = None  # micro-batches per update when the config gives a number (not a function)
 
     @classmethod
     def read(cls, config: Config) -> StepOptions:
+        accum = config.typed_value("accum_grad_multiple_step")
         return cls(
             train_step=config.typed_value("train_step"),
-            accum_grad_multiple_step=config.typed_value("accum_grad_multiple_step"),
+            accum_grad_multiple_step=accum,
             dynamic_learning_rate=config.typed_value("dynamic_learning_rate"),
             guard=config.bool("stop_on_nonfinite_train_score"),
             log_every=1 if config.int("log_verbosity") >= 4 else config.int("log_every_n_steps"),
             save_every=(config.int("save_every_n_steps") or 0) if config.typed_value("model") else 0,
+            accum_fixed=None if callable(accum) else max(1, int(accum)),
         )
