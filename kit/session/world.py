@@ -23,6 +23,7 @@ class World:
     def __init__(self) -> None:
         self.rng: tuple | None = None  # None: not entered yet (the caller's state is the start)
         self.defaults: TorchDefaults | None = None
+        self.outer: tuple | None = None  # the caller's state put back when the last block ended
         self.depth = 0  # entered blocks now: inside one (a view asking from a step_end handler) nothing swaps
 
     @contextlib.contextmanager
@@ -40,16 +41,18 @@ class World:
 
     @contextlib.contextmanager
     def _swapped(self) -> Iterator[None]:
-        outer, outer_defaults = rng.snapshot(), torch_defaults()
+        # each snapshot is compared with the one the state may still equal (numpy's part is then reused)
+        outer, outer_defaults = rng.snapshot(like=self.outer), torch_defaults()
         if self.rng is not None:
-            rng.restore(self.rng)
+            rng.restore(self.rng, now=outer)
         if self.defaults is not None:
             set_torch_defaults(self.defaults, outer_defaults)
         try:
             yield
         finally:
-            self.rng, self.defaults = rng.snapshot(), torch_defaults()
-            rng.restore(outer)
+            self.rng, self.defaults = rng.snapshot(like=self.rng or outer), torch_defaults()
+            rng.restore(outer, now=self.rng)
+            self.outer = outer
             set_torch_defaults(outer_defaults, self.defaults)
 
 

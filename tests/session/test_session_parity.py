@@ -19,7 +19,8 @@ from kit.session import Session
 def noisy_train_step(*, model, extern_data, **kwargs):
     """The tiny step plus a loss term scaled by numpy and python random draws (user-code randomness)."""
     tiny_train_step(model=model, extern_data=extern_data, **kwargs)
-    scale = 1.0 + np.random.rand() + random.random()
+    # a legacy Gaussian each step: numpy's cached second one is part of the state that must not leak
+    scale = 1.0 + np.random.rand() + random.random() + 0.01 * np.random.standard_normal()
     kit.get_run_ctx().mark_as_loss(model.out.bias.square().sum() * scale, "noise")
 
 
@@ -117,3 +118,17 @@ def test_a_default_dtype_set_in_one_sessions_user_code_stays_in_that_session():
         assert torch.get_default_dtype() == torch.float32
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def test_the_callers_cached_gaussian_and_numpy_stream_survive_a_sessions_calls():
+    np.random.seed(3)
+    want = [np.random.standard_normal() for _ in range(4)]
+    np.random.seed(3)
+    got = [np.random.standard_normal()]  # numpy now holds the pair's second value
+    with kit.Session(**tiny_config(**CONFIG_A)) as s:
+        s.train_step()
+        got.append(np.random.standard_normal())  # the cached one
+        s.train_steps(2)
+        s.train_step()
+        got += [np.random.standard_normal(), np.random.standard_normal()]
+    assert got == want
