@@ -115,13 +115,13 @@ class NumpyState:
 _MT_KEY_BYTES = 624 * 4  # mt19937_state: uint32 key[624]; int pos
 
 
-def _mt_words() -> tuple[object, bytes] | None:
+def _mt_words() -> tuple[Any, bytes] | None:
     """(the global RandomState's bit generator, its raw state); None where that is not an MT19937."""
     get_bit_generator = getattr(np.random, "get_bit_generator", None)  # numpy >= 1.25
-    generator = get_bit_generator() if get_bit_generator is not None else None
+    generator: Any = get_bit_generator() if get_bit_generator is not None else None
     if type(generator).__name__ != "MT19937":
         return None
-    return generator, ctypes.string_at(generator.ctypes.state_address, _MT_KEY_BYTES + 4)  # type: ignore[attr-defined]
+    return generator, ctypes.string_at(generator.ctypes.state_address, _MT_KEY_BYTES + 4)
 
 
 def set_numpy_state(state: NumpyState, now: NumpyState | None = None) -> None:
@@ -133,7 +133,7 @@ def set_numpy_state(state: NumpyState, now: NumpyState | None = None) -> None:
     if (now is not None and words is not None and state.raw is not None and now.raw == words[1]
             and state.generator is words[0] is now.generator and not state.state["has_gauss"]
             and not now.state["has_gauss"]):
-        ctypes.memmove(words[0].ctypes.state_address, state.raw, len(state.raw))  # type: ignore[attr-defined]
+        ctypes.memmove(words[0].ctypes.state_address, state.raw, len(state.raw))
         return
     np.random.set_state(state.state)
 
