@@ -108,7 +108,7 @@ class NumpyState:
 
     __slots__ = ("state", "generator", "raw")
 
-    def __init__(self, state: dict[str, Any], generator: object, raw: bytes | None):
+    def __init__(self, state: dict[str, Any], generator: Any, raw: bytes | None):
         self.state, self.generator, self.raw = state, generator, raw
 
 
