@@ -246,8 +246,7 @@ def _time_tensors(kp: KeyPlan, block: _Block, layout: _TimeLayout, new: _Carver)
         packing.fill_rows(flat, pk.data, layout.src)
     else:
         flat[layout.dst] = pk.data[layout.src]
-    parts = torch.from_numpy(flat).split(sizes.tolist())
-    return [p.view(b, t, *rest) for p, b, t in zip(parts, block.num_seqs.tolist(), layout.time.tolist())]
+    return _views(torch.from_numpy(flat), block, layout, rest)
 
 
 def _masks(block: _Block, layout: _TimeLayout, new: _Carver) -> list[torch.Tensor]:
@@ -258,5 +257,15 @@ def _masks(block: _Block, layout: _TimeLayout, new: _Carver) -> list[torch.Tenso
         flat.fill(True)
     else:
         flat[layout.dst] = True
-    parts = torch.from_numpy(flat).split(sizes.tolist())
-    return [p.view(b, t) for p, b, t in zip(parts, block.num_seqs.tolist(), layout.time.tolist())]
+    return _views(torch.from_numpy(flat), block, layout, ())
+
+
+def _views(flat: torch.Tensor, block: _Block, layout: _TimeLayout, rest: tuple[int, ...]) -> list[torch.Tensor]:
+    """``flat`` (each batch's frames in turn) as each batch's ``[B, T, *rest]`` view. Where every batch
+    has the same ``T``, one split of the ``[N, T, *rest]`` whole (a third of the host time of a split
+    and a view per batch)."""
+    times = layout.time.tolist()
+    if len(set(times)) == 1 and times[0] > 0:
+        return list(flat.view(-1, times[0], *rest).split(block.num_seqs.tolist()))
+    parts = flat.split((block.num_seqs * layout.time).tolist())
+    return [p.view(b, t, *rest) for p, b, t in zip(parts, block.num_seqs.tolist(), times)]
