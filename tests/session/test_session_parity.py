@@ -132,3 +132,22 @@ def test_the_callers_cached_gaussian_and_numpy_stream_survive_a_sessions_calls()
         s.train_step()
         got += [np.random.standard_normal(), np.random.standard_normal()]
     assert got == want
+
+
+def test_a_blocking_train_call_swaps_the_sessions_world_once(monkeypatch):
+    from kit.session import world
+
+    swaps = []
+    original = world.World._swapped
+
+    def counted(self):
+        swaps.append(1)
+        return original(self)
+
+    with kit.Session(**tiny_config(**CONFIG_A)) as s:
+        s.train_step()  # set-up (model, optimizer, pipeline) done
+        monkeypatch.setattr(world.World, "_swapped", counted)
+        for call in (s.train_step, lambda: s.train_steps(3), s.train_epoch):
+            swaps.clear()
+            call()
+            assert len(swaps) == 1  # ~0.05 ms each: set-up checks and the steps share one
