@@ -145,8 +145,8 @@ def numpy_state(like: NumpyState | None = None) -> NumpyState:
     and ``like`` is reused only when it had none, since drawing one moves the words. (The one way
     past this: ``np.random.set_state`` of a state with the same words and a cached Gaussian.)"""
     words = _mt_words()
-    if like is not None and words is not None and like.generator is words[0] and like.raw == words[1] \
-            and not like.state["has_gauss"]:
+    if (like is not None and words is not None and like.generator is words[0] and like.raw == words[1]
+            and not like.state["has_gauss"]):
         return like
     state: dict[str, Any] = np.random.get_state(legacy=False)  # type: ignore[assignment]
     raw = None

@@ -115,7 +115,7 @@ class LoopDriver:
         # the handler is in place before the set-up (model build, resume) so that an interrupt
         # there pauses after the first step instead of tearing the set-up apart
         self.guard.clear()
-        # one swap of the session's world for the whole call (a swap costs ~0.3 ms: numpy's RNG state)
+        # one swap of the session's world (RNG states, torch defaults) for the whole call, set-up included
         with self.guard.held(), self.session.entered():
             self.prepare(live, allow_finished=goal == "train")
             self.mode = "blocking"
