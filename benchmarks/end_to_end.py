@@ -19,8 +19,10 @@ same masked frame-CE sum and ``torch.optim.AdamW``; they end on bitwise identica
 (checked and printed). Runs are interleaved in one process — every variant takes a turn of
 ``k`` steps per round — and timed in process CPU time with one torch thread, which other
 load on a shared machine disturbs far less than wall time. Printed: the median per-round
-ratio to the pre-collated loop, with its interquartile range, and "+µs": the median extra
-host time per step over that loop.
+ratio to the pre-collated loop, with its interquartile range, "+µs": the median extra
+host time per step over that loop, and "totals": the ratio of all the time of all rounds
+(periodic work, such as a block of batches gathered every ~60 steps, falls into some turns
+only: the median of turns leaves part of it out, the totals count all of it).
 
 Workloads: (a) a 2-layer MLP 128→256→256→10 on 64 length-1 sequences per batch, where
 per-step host work dominates (targets: kit defaults ≤ 1.10, guard off ≤ 1.05);
@@ -285,15 +287,20 @@ def ratios_to(times: dict[str, list[float]], base: str) -> dict[str, tuple[float
 def report(w: Workload, runs: dict[str, Any], times: dict[str, list[float]], base: str) -> dict[str, float]:
     ratios = ratios_to(times, base)
     print(f"\n{w.name}: {w.turn} steps per turn, {len(times[base])} rounds")
-    print(f"  {'variant':<30} {'µs/step':>8} {'+µs':>6} {'ratio':>6}  {'interquartile':<13} {'weights':<17} target")
+    print(f"  {'variant':<30} {'µs/step':>8} {'+µs':>6} {'ratio':>6}  {'interquartile':<13} {'totals':>6}  "
+          f"{'weights':<17} target")
     for name, vals in times.items():
         q1, med, q3 = ratios[name]
         extra = statistics.median(t - b for t, b in zip(vals, times[base])) * 1e6  # per round, as the ratio
         target = next((t for key, t in w.targets.items() if name.startswith("kit") and key in name), None)
         verdict = "" if target is None else f"≤ {target:.2f} {'ok' if med <= target else 'MISSED'}"
         weights = "" if name == base else same_weights(runs[base].model, runs[name].model)
+        totals = sum(vals) / sum(times[base])  # every step counted: what a median of turns leaves out
         print(f"  {name:<30} {statistics.median(vals) * 1e6:8.0f} {extra:6.0f} {med:6.3f}  {q1:5.3f}-{q3:5.3f}   "
-              f"{weights:<17} {verdict}")
+              f"{totals:6.3f}  {weights:<17} {verdict}")
+    print("  (totals: all of a variant's time over all of the loop's. Work that comes every so many steps —\n"
+          "   a block of batches gathered, the history read, an epoch's end — falls into some turns only,\n"
+          "   so the median of turns leaves part of it out; the totals count it, and other load on the machine too.)")
     return {k: v[1] for k, v in ratios.items()}
 
 
