@@ -3,7 +3,8 @@
 Steps append their loss tensors (still on the device); they are copied to the host in one
 transfer per ``flush_every`` steps (every ``CPU_FLUSH_EVERY`` when they live on the CPU) or
 when someone reads the history. Beyond ``max_rows`` the older rows are thinned out (every
-other one, by step number), so a week-long run stays small in memory. Views (the dashboard's timeline) read these rows; they keep no copy.
+other one, by step number), so a week-long run stays small in memory. Views (the dashboard's
+timeline) read these rows; they keep no copy.
 
 Memory columns: ``memory_peak`` (a CUDA step's peak, measured by the engine) on every row;
 the memory figures now (``memory_allocated`` / ``memory_reserved``, or ``memory_rss``) on
