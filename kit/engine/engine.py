@@ -249,24 +249,27 @@ class Engine:
     def train_step(self, *, probe_lr: float | None = None) -> StepResult | None:
         """Train on the next micro-batch of the current epoch; None once the epoch's data is used up.
         ``probe_lr``: a probe step (the LR finder) at this learning rate, without log line or step checkpoint.
-        Each call here costs ~1 µs (caches cold from the model's compute): parts are read once into locals."""
+
+        Host time: every line here runs once per step, cold from the model's compute (about
+        1 µs each on a CPU): parts are read once into locals, and whatever the config decides
+        is read once per config version (``step_options``), not per step."""
         if self.updater is None:
             self.ensure_training_parts()
-        p, guard, updater, pipeline, memory = self.progress, self.guard, self.updater, self.train_pipeline, self.memory
-        assert updater is not None and pipeline is not None and memory is not None
+        p, guard, updater, memory, device = self.progress, self.guard, self.updater, self.memory, self.device
+        assert updater is not None and self.train_pipeline is not None and memory is not None and device is not None
         if not p.epoch_running:
             epochs.begin_epoch(self)
         if p.steps_exhausted:
             return None
         # fetch: the next batch of the planned epoch (CPU), then to the device
-        batch = next(pipeline, None)
+        batch = next(self.train_pipeline, None)
         if batch is None:
             p.steps_exhausted = True
             return None
         t0 = time.perf_counter()
         if self.events.has("step_begin"):
             self.events.emit("step_begin", epoch=p.epoch, step=p.step_in_epoch, batch=batch)
-        batch_dev = compute.to_device(batch, self.built_device)
+        batch_dev = compute.to_device(batch, device)
         self.last_batch = batch  # a reference only: debug contexts of "step" breaks read it
         opts = self.step_options
         guarded = opts.guard or guard.pending  # a guard turned off still settles the steps it holds
@@ -275,7 +278,10 @@ class Engine:
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
             updater.optimizer.zero_grad(set_to_none=True)
-        lr = epochs.set_step_learning_rate(self, opts) if probe_lr is None else self.set_probe_learning_rate(probe_lr)
+        # learning rate: the epoch's, unless dynamic_learning_rate, a probe or a change sets it anew
+        lr = self.step_learning_rate
+        if probe_lr is not None or opts.dynamic_learning_rate is not None or lr != self.epoch_learning_rate:
+            lr = epochs.set_step_learning_rate(self, opts) if probe_lr is None else self.set_probe_learning_rate(probe_lr)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
@@ -297,25 +303,22 @@ class Engine:
         if finite and p.accum_count >= accum_multiple:
             updated, grad_norm = self._update(guarded)
         # account: losses stay on the device (deferred guard: once its flag was read)
-        if guarded:
-            guard.account(step_losses)
-        else:
-            self.accounting.add(step_losses)
-        # memory: the step's peak window closes (CUDA host counters; nothing is read elsewhere)
-        peak = memory.end_step()
+        guard.account(step_losses) if guarded else self.accounting.add(step_losses)
+        # the result; the step's memory peak window closes (CUDA host counters; nothing is read elsewhere)
         result = StepResult(p.epoch, p.step_in_epoch, p.global_train_step, lr, updated,
                             time.perf_counter() - t0, batch.num_seqs, batch.complete_frac, step_losses, grad_norm,
-                            peak)
-        p.step_in_epoch += 1
-        p.global_train_step += 1
-        p.last_complete_frac = batch.complete_frac if batch.complete_frac is not None else p.last_complete_frac
+                            memory.end_step() if memory.cuda else None)
+        p.step_in_epoch, p.global_train_step = p.step_in_epoch + 1, p.global_train_step + 1
+        if batch.complete_frac is not None:
+            p.last_complete_frac = batch.complete_frac
         if guarded:
             guard.end_step()
         self.events.emit("step_end", result=result)
         if probe_lr is not None:
             return result
+        # the log line and the step checkpoint, when due; the guard's flag is read where they read losses
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
-            guard.check()  # the log line reads the losses anyway
+            guard.check()
             logger.info(format_step_line(result.epoch, result.step, result.losses, result.seconds))
         if opts.save_every and p.global_train_step % opts.save_every == 0:
             self.save_checkpoint(kind="step")
@@ -324,19 +327,21 @@ class Engine:
 
     def _update(self, guarded: bool) -> tuple[bool, torch.Tensor | None]:
         """Unscale → gradient noise → clip → optimizer step (a no-op on the device after a NaN/Inf)."""
-        p, updater, scaler = self.progress, self.built_updater, self.grad_scaler
+        p, updater, scaler = self.progress, self.updater, self.grad_scaler
+        assert updater is not None
         optimizer = updater.optimizer
         p.accum_count = 0
         if scaler is not None:
             scaler.unscale_(optimizer)
-        updater.apply_gradient_noise()
-        grad_norm = updater.clip_gradients()
+        grad_norm = None
+        if updater.transforms_gradients:  # config gradient_noise, gradient_clip, gradient_clip_global_norm
+            updater.apply_gradient_noise()
+            grad_norm = updater.clip_gradients()
         step: Callable[[], object] = optimizer.step if scaler is None else lambda: scaler.step(optimizer)
         self.guard.step_optimizer(step) if guarded else step()
         if scaler is not None:
             scaler.update()
-        p.num_updates += 1
-        p.consec_skipped_updates = 0
+        p.num_updates, p.consec_skipped_updates = p.num_updates + 1, 0
         if self.dist:  # reduce_type "param": average the weights every param_sync_step updates
             self.dist.after_update(self.built_model, p.num_updates)
         return True, grad_norm
@@ -357,6 +362,7 @@ class Engine:
         while self.train_step() is not None:  # the epoch's remaining steps, if any
             pass
         if p.accum_count:  # a partial accumulation window: RETURNN drops it, kit applies it
+            self.guard.refresh()  # the guard's mode as the config is now (it may have changed since the step)
             self._update(self.step_options.guard or self.guard.pending)
         self.guard.check()  # the epoch's scores read the losses anyway
         if self.dist:  # the loss sums of all ranks; reduce_type "param": the same weights everywhere

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import math
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kit")
 
 _MAX_NAMED_GRADS = 20
+_grad_of = operator.attrgetter("grad")
+_is_tensor = functools.partial(operator.is_not, None)
 
 
 @dataclass
@@ -71,6 +75,8 @@ class NonFiniteGuard:
         self._params: list[torch.nn.Parameter] | None = None
         self._one: torch.Tensor | None = None
         self._mode: str | None = None
+        self._live: str | None = None  # this step's mode, or None when the guard is off (set by begin_step)
+        self._fused_check = True  # one fused call for all tensors; False once it refused a mix (then by group)
         self._records: list[_StepRecord] = []
         self._buffers: list[torch.Tensor] | None = None
         self._buffer_backup: list[torch.Tensor] = []
@@ -126,7 +132,7 @@ class NonFiniteGuard:
 
     def reset(self) -> None:
         """Forget the flag, the records and the backups (after a restore or a config change)."""
-        self._found = self._one = self._mode = self._buffers = self._params = None
+        self._found = self._one = self._mode = self._live = self._buffers = self._params = None
         self._records.clear()
         self._buffer_backup, self._opt_backup, self._opt_live, self._new_state = [], [], [], []
         self._opt_host, self._host_log = [], []
@@ -142,13 +148,19 @@ class NonFiniteGuard:
 
     # ---- the step's hooks ---------------------------------------------------------------
 
+    def refresh(self) -> None:
+        """Resolve whether the guard is on, and its mode, from the config as it is now (the hooks
+        below read the result: each of their lines costs host time on every step)."""
+        self._live = self.mode if self.enabled else None
+
     def begin_step(self) -> None:
         """Before the step's forward: the module buffers' backup, taken fresh whenever no unread
         step depends on it (so whatever changed them between steps, e.g. a restore, is kept)."""
-        if not self.enabled:
+        self.refresh()
+        if self._live is None:
             return
-        buffers = self._model_buffers()
-        if buffers and (self.mode == "immediate" or not self._records):
+        buffers = self._buffers if self._buffers is not None else self._model_buffers()
+        if buffers and (self._live == "immediate" or not self._records):
             torch._foreach_copy_(self._buffer_backup, buffers)
 
     def after_backward(self, step_losses: StepLosses, batch: Batch, *, rng_before: RngState | None) -> bool:
@@ -157,14 +169,14 @@ class NonFiniteGuard:
         Returns False when the micro-batch was non-finite and skipped (immediate mode,
         ``nonfinite_policy="skip"``); raises ``NonFiniteLossError`` under "raise".
         """
-        if not self.enabled:
+        live = self._live
+        if live is None:
             return True
-        found = self._flag()
+        found = self._found if self._found is not None else self._flag()
         self._check(found, step_losses)
-        if self.mode == "immediate":
-            bad = bool(found)  # immediate mode's read: host memory on a CPU device (no sync)
-            self._keep_buffers(bad)
-            if bad:
+        if live == "immediate":
+            if found:  # immediate mode's read: host memory on a CPU device (no sync)
+                self._keep_buffers(True)
                 return self._report(batch, step_losses, rng_before)
             return True
         self._keep_buffers_on_device(found)
@@ -179,15 +191,22 @@ class NonFiniteGuard:
         tensors = [t for t in (*step_losses.sums, *step_losses.norms) if t.is_floating_point()]
         # with a float16 GradScaler, inf gradients are expected: the scaler skips those steps itself
         if self.engine.grad_scaler is None:
-            tensors += [p.grad for p in self._parameters() if p.grad is not None]
+            params = self._params if self._params is not None else self._parameters()
+            tensors += filter(_is_tensor, map(_grad_of, params))  # (C loops: no Python line per parameter)
         if not tensors or self._one is None:
             return
+        if self._fused_check:  # the usual case: one call (on a CPU, float dtypes may even be mixed)
+            try:
+                # scale 1: multiplying by 1.0 changes no value; the op only sets ``found`` on a NaN/Inf
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, self._one)
+                return
+            except RuntimeError:  # dtypes or devices it does not take in one call: by group from now on
+                self._fused_check = False
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}  # the fused op takes one dtype at a time
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
         for group in by_dtype.values():
             try:
-                # scale 1: multiplying by 1.0 changes no value; the op only sets ``found`` on a NaN/Inf
                 torch._amp_foreach_non_finite_check_and_unscale_(group, found, self._one)
             except RuntimeError:  # tensors on several devices: each one checked on the flag's device
                 for t in group:
@@ -205,12 +224,12 @@ class NonFiniteGuard:
 
     def account(self, step_losses: StepLosses) -> None:
         """Add a step's losses to the epoch sums; deferred mode adds them once the flag was read."""
-        if not (self.enabled and self.mode == "deferred"):
+        if self._live != "deferred":
             self.engine.accounting.add(step_losses)
 
     def step_optimizer(self, step: Callable[[], object]) -> None:
         """Run the optimizer step; deferred mode makes it a no-op on the device once the flag is set."""
-        if not self.enabled or self.mode == "immediate" or self._found is None:
+        if self._live != "deferred" or self._found is None:
             step()  # immediate: a bad micro-batch was reported before any update
             return
         optimizer: Any = self.engine.built_updater.optimizer  # Any: found_inf / grad_scale are GradScaler's duck typing
