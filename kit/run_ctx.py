@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -122,6 +122,16 @@ class RunCtx:
         """Install this context for the duration of a ``with`` block (see :func:`run_ctx_scope`)."""
         return run_ctx_scope(self)
 
+    def run(self, fn: Callable[..., Any], /, **kwargs: Any) -> Any:
+        """``fn(**kwargs)`` with this context installed (the engine's call of a step function: one
+        Python call per step where a ``with`` block takes three); kept as ``returned`` and returned."""
+        token = _active.set(self)
+        try:
+            self.returned = fn(**kwargs)
+        finally:
+            _active.reset(token)
+        return self.returned
+
     # ---- losses -----------------------------------------------------------------------
 
     def mark_as_loss(
@@ -162,7 +172,10 @@ class RunCtx:
         if loss.dtype in (torch.float16, torch.bfloat16) or not loss.is_floating_point():
             loss = loss.float()  # half-precision sums overflow; bool/int error counts become floats
         if mask is not None:
-            mask = _check_mask(mask, loss, name)
+            # the usual mask (a bool tensor of the loss' shape on its device) passes one line of checks
+            if (type(mask) is not torch.Tensor or mask.dtype is not torch.bool or mask.shape != loss.shape
+                    or mask.device != loss.device):
+                mask = _check_mask(mask, loss, name)
             loss_sum = torch.where(mask, loss, 0).sum()  # where, not *: NaN in padding must not leak
         else:
             loss_sum = loss.sum()

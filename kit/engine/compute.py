@@ -34,8 +34,7 @@ def forward(engine: Engine, fn: UserStep, ctx: RunCtx, batch: Batch) -> None:
     """``fn(model=, extern_data=)`` under the run context ``ctx`` (it collects the marked losses) and autocast;
     what ``fn`` returned is kept as ``ctx.returned`` (kit ignores it, but says so when no loss was marked)."""
     if engine.amp_dtype is None and engine.float_dtype is None:  # the usual step: no other context to enter
-        with run_ctx_scope(ctx):
-            ctx.returned = fn(model=engine.model, extern_data=batch)
+        ctx.run(fn, model=engine.model, extern_data=batch)
         return
     if engine.float_dtype is not None:  # RETURNN's default_float_dtype: float inputs in it, and torch's default
         batch = batch.with_float_dtype(engine.float_dtype)

@@ -92,14 +92,8 @@ class History:
 
     @staticmethod
     def _row(result: StepResult, losses: dict[str, float], memory: dict[str, int] | None) -> dict[str, Any]:
-        row = {
-            "global_train_step": result.global_train_step,
-            "epoch": result.epoch,
-            "step": result.step,
-            "learning_rate": result.learning_rate,
-            "seconds": result.seconds,
-            "num_seqs": result.num_seqs,
-        }
+        row = {"global_train_step": result.global_train_step, "epoch": result.epoch, "step": result.step,
+               "learning_rate": result.learning_rate, "seconds": result.seconds, "num_seqs": result.num_seqs}
         if result.memory_peak is not None:
             row["memory_peak"] = result.memory_peak
         if memory:  # the figures read then; a step's own peak stays the engine's
@@ -114,7 +108,8 @@ class History:
         pending, memory = self._pending, self._pending_memory
         self._pending, self._pending_memory = [], {}
         losses = read_normalized([r.step_losses for r in pending])
-        self.rows.extend(self._row(r, lo, memory.get(i)) for i, (r, lo) in enumerate(zip(pending, losses)))
+        row = self._row
+        self.rows += [row(r, lo, memory.get(i)) for i, (r, lo) in enumerate(zip(pending, losses))]
         while len(self.rows) > self.max_rows:
             # keep every other step by number (not by position), so rows stay on the stride's grid
             self.stride *= 2
