@@ -27,8 +27,10 @@ class Field:
         """Build the (CPU) mask now (or take ``ready``, the data path's), for the next :meth:`mask`
         call to hand out: the data path does this while its code is warm, for batches loaded ahead
         of their step."""
-        if self.lengths is not None and self.tensor.is_cpu and self.lengths.is_cpu:
-            self._ready_mask = self.mask() if ready is None else ready
+        if ready is not None:  # the data path's own, made with the tensor (so: for it)
+            self._ready_mask = ready
+        elif self.lengths is not None and self.tensor.is_cpu and self.lengths.is_cpu:
+            self._ready_mask = self.mask()
 
     def mask(self) -> torch.Tensor:
         """Bool ``[B, T]`` on the tensor's device: True for real frames, False for padding (a new

@@ -161,6 +161,22 @@ def _scaled_step(*, scale: float, normalized: bool):
     return train_step
 
 
+def test_read_losses_divide_as_torch_does_also_by_a_zero_norm():
+    """The history's CPU read (scalar by scalar in Python floats) gives torch's float64 quotients,
+    0 / 0 and x / 0 included (a Python float division would raise there)."""
+    from kit.engine.accounting import StepLosses, read_normalized
+
+    pairs = [(torch.tensor(1.0), torch.tensor(3)), (torch.tensor(0.1, dtype=torch.float64), torch.tensor(7.0)),
+             (torch.tensor(0.0), torch.tensor(0)), (torch.tensor(-2.0), torch.tensor(0)),
+             (torch.tensor(float("nan")), torch.tensor(0))]
+    steps = [StepLosses(["ce"], [s], [n]) for s, n in pairs]
+    expected = [float(s.double() / n.double()) for s, n in pairs]
+    read = [row["ce"] for row in read_normalized(steps)]
+    same = [a == b or (math.isnan(a) and math.isnan(b)) for a, b in zip(read, expected)]
+    assert same == [True] * 5 and len(read) == 5
+    assert read[:2] == [1.0 / 3.0, 0.1 / 7.0] and read[3] == -math.inf and math.isnan(read[2]) and math.isnan(read[4])
+
+
 @pytest.mark.parametrize("normalized", [False, True], ids=["sum", "normalized"])
 def test_gradient_is_scale_times_sum_or_normalized(normalized):
     engine = make_engine(
