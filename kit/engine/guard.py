@@ -76,7 +76,7 @@ class NonFiniteGuard:
         self._one: torch.Tensor | None = None
         self._mode: str | None = None
         self._live: str | None = None  # this step's mode, or None when the guard is off (set by begin_step)
-        self._fused_check = True  # one fused call for all tensors; False once it refused a mix (then by group)
+        self._param_dtype: torch.dtype | None = None  # the parameters' one dtype (None: several)
         self._records: list[_StepRecord] = []
         self._buffers: list[torch.Tensor] | None = None
         self._buffer_backup: list[torch.Tensor] = []
@@ -132,7 +132,7 @@ class NonFiniteGuard:
 
     def reset(self) -> None:
         """Forget the flag, the records and the backups (after a restore or a config change)."""
-        self._found = self._one = self._mode = self._live = self._buffers = self._params = None
+        self._found = self._one = self._mode = self._live = self._buffers = self._params = self._param_dtype = None
         self._records.clear()
         self._buffer_backup, self._opt_backup, self._opt_live, self._new_state = [], [], [], []
         self._opt_host, self._host_log = [], []
@@ -187,26 +187,20 @@ class NonFiniteGuard:
         return True
 
     def _check(self, found: torch.Tensor, step_losses: StepLosses) -> None:
+        params = self._params if self._params is not None else self._parameters()
         # integer losses or norms (a frame count) are finite by nature, and the check takes floats only
         tensors = [t for t in (*step_losses.sums, *step_losses.norms) if t.is_floating_point()]
+        # the fused op reads every tensor as the first one's dtype (on CUDA a mix is misread, silently):
+        # one call when all share the parameters' dtype (the usual case), else one call per dtype
+        one_dtype = self._param_dtype is not None and all(t.dtype == self._param_dtype for t in tensors)
         # with a float16 GradScaler, inf gradients are expected: the scaler skips those steps itself
         if self.engine.grad_scaler is None:
-            params = self._params if self._params is not None else self._parameters()
             tensors += filter(_is_tensor, map(_grad_of, params))  # (C loops: no Python line per parameter)
         if not tensors or self._one is None:
             return
-        if self._fused_check:  # the usual case: one call (on a CPU, float dtypes may even be mixed)
+        for group in [tensors] if one_dtype else _by_dtype(tensors):
             try:
                 # scale 1: multiplying by 1.0 changes no value; the op only sets ``found`` on a NaN/Inf
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, self._one)
-                return
-            except RuntimeError:  # dtypes or devices it does not take in one call: by group from now on
-                self._fused_check = False
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}  # the fused op takes one dtype at a time
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for group in by_dtype.values():
-            try:
                 torch._amp_foreach_non_finite_check_and_unscale_(group, found, self._one)
             except RuntimeError:  # tensors on several devices: each one checked on the flag's device
                 for t in group:
@@ -215,6 +209,8 @@ class NonFiniteGuard:
     def _parameters(self) -> list[torch.nn.Parameter]:
         if self._params is None:
             self._params = self.engine.built_updater.parameters()
+            dtypes = {p.dtype for p in self._params}
+            self._param_dtype = dtypes.pop() if len(dtypes) == 1 else None
         return self._params
 
     def end_step(self) -> None:
@@ -401,6 +397,13 @@ class NonFiniteGuard:
         grads = [f"gradient of {n}" for n, prm in self.engine.built_model.named_parameters()
                  if prm.grad is not None and not torch.isfinite(prm.grad).all()]
         return bad + grads[:_MAX_NAMED_GRADS] if bad or grads else ["a loss's sum or norm"]
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
 
 
 def _put_back_host_state(host_log: list[tuple[int, list[torch.Tensor], list[torch.Tensor]]], first: int) -> None:
