@@ -37,3 +37,18 @@ def test_gpu_check_exits_cleanly_without_cuda():
     out = subprocess.run([sys.executable, os.path.join(BENCH, "gpu_check.py")], capture_output=True, text=True,
                          env=env, timeout=120)
     assert out.returncode == 0 and "no CUDA" in out.stdout
+
+
+def test_step_lines_counts_kit_code_only_in_kit_steps_and_more_with_the_guard():
+    import step_lines
+
+    runs = e.contenders(small("mlp"))
+    for run in runs.values():
+        run.run(2)
+    loop, off, on = (step_lines.count(runs[k], 2) for k in
+                     ("loop, pre-collated", "kit ArrayDataset, guard off", "kit ArrayDataset, guard on"))
+    assert sum(loop.lines.values()) == 0 and loop.calls["kit"] == 0 and loop.calls["torch"] > 0
+    assert sum(off.lines.values()) > 0 and off.lines["kit/engine/engine.py", "train_step"] > 0
+    assert sum(on.lines.values()) > sum(off.lines.values())  # the guard's check runs in kit's code
+    assert any(path == "kit/engine/guard.py" for path, _ in on.lines)
+    assert not any(path == "kit/engine/guard.py" and fn == "_check" for path, fn in off.lines)
