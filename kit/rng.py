@@ -159,6 +159,5 @@ def numpy_state(like: NumpyState | None = None) -> NumpyState:
 
 def torch_rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """torch's CPU RNG state and, once CUDA is in use, every device's (what a step replay needs)."""
-    # (the generator's own method: torch.get_rng_state is a Python wrapper of it, one call more per step)
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None  # initialized: available
-    return torch.default_generator.get_state(), cuda
+    return torch.get_rng_state(), cuda

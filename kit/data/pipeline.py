@@ -298,7 +298,7 @@ class Pipeline:
         return self
 
     def __next__(self) -> Batch:
-        ranges = self._ranges if self._ranges is not None else self._ensure_planned()
+        ranges = self._ensure_planned()
         b = self.position
         if b >= len(ranges):
             self._drop_iter()

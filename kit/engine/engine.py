@@ -250,9 +250,8 @@ class Engine:
         """Train on the next micro-batch of the current epoch; None once the epoch's data is used up.
         ``probe_lr``: a probe step (the LR finder) at this learning rate, without log line or step checkpoint.
 
-        Host time: every line here runs once per step, cold from the model's compute (about
-        1 µs each on a CPU): parts are read once into locals, and whatever the config decides
-        is read once per config version (``step_options``), not per step."""
+        Each line here costs ~1 µs (caches cold from the model's compute): parts are read once into
+        locals, and what the config decides once per config version (``step_options``)."""
         if self.updater is None:
             self.ensure_training_parts()
         p, guard, updater, memory, device = self.progress, self.guard, self.updater, self.memory, self.device
@@ -278,10 +277,7 @@ class Engine:
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
             updater.optimizer.zero_grad(set_to_none=True)
-        # learning rate: the epoch's, unless dynamic_learning_rate, a probe or a change sets it anew
-        lr = self.step_learning_rate
-        if probe_lr is not None or opts.dynamic_learning_rate is not None or lr != self.epoch_learning_rate:
-            lr = epochs.set_step_learning_rate(self, opts) if probe_lr is None else self.set_probe_learning_rate(probe_lr)
+        lr = epochs.set_step_learning_rate(self, opts) if probe_lr is None else self.set_probe_learning_rate(probe_lr)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
         # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
@@ -307,7 +303,7 @@ class Engine:
         # the result; the step's memory peak window closes (CUDA host counters; nothing is read elsewhere)
         result = StepResult(p.epoch, p.step_in_epoch, p.global_train_step, lr, updated,
                             time.perf_counter() - t0, batch.num_seqs, batch.complete_frac, step_losses, grad_norm,
-                            memory.end_step() if memory.cuda else None)
+                            memory.end_step())
         p.step_in_epoch, p.global_train_step = p.step_in_epoch + 1, p.global_train_step + 1
         if batch.complete_frac is not None:
             p.last_complete_frac = batch.complete_frac
@@ -333,10 +329,8 @@ class Engine:
         p.accum_count = 0
         if scaler is not None:
             scaler.unscale_(optimizer)
-        grad_norm = None
-        if updater.transforms_gradients:  # config gradient_noise, gradient_clip, gradient_clip_global_norm
-            updater.apply_gradient_noise()
-            grad_norm = updater.clip_gradients()
+        updater.apply_gradient_noise()
+        grad_norm = updater.clip_gradients()
         step: Callable[[], object] = optimizer.step if scaler is None else lambda: scaler.step(optimizer)
         self.guard.step_optimizer(step) if guarded else step()
         if scaler is not None:

@@ -159,7 +159,7 @@ class NonFiniteGuard:
         self.refresh()
         if self._live is None:
             return
-        buffers = self._buffers if self._buffers is not None else self._model_buffers()
+        buffers = self._model_buffers()
         if buffers and (self._live == "immediate" or not self._records):
             torch._foreach_copy_(self._buffer_backup, buffers)
 
@@ -172,7 +172,7 @@ class NonFiniteGuard:
         live = self._live
         if live is None:
             return True
-        found = self._found if self._found is not None else self._flag()
+        found = self._flag()
         self._check(found, step_losses)
         if live == "immediate":
             if found:  # immediate mode's read: host memory on a CPU device (no sync)
@@ -187,7 +187,7 @@ class NonFiniteGuard:
         return True
 
     def _check(self, found: torch.Tensor, step_losses: StepLosses) -> None:
-        params = self._params if self._params is not None else self._parameters()
+        params = self._parameters()
         # integer losses or norms (a frame count) are finite by nature, and the check takes floats only
         tensors = [t for t in (*step_losses.sums, *step_losses.norms) if t.is_floating_point()]
         # the fused op reads every tensor as the first one's dtype (on CUDA a mix is misread, silently):

@@ -58,8 +58,6 @@ class Updater:
         self._grad_clip = config.float("gradient_clip")
         self._grad_clip_norm = _clip_norm_setting(config)
         self._grad_noise = config.float("gradient_noise")
-        # whether an update transforms the gradients at all (the step asks this, not each transform)
-        self.transforms_gradients = bool(self._grad_noise or self._grad_clip or self._grad_clip_norm)
         self.optimizer: torch.optim.Optimizer = self._create_optimizer()
         self.set_learning_rate(self.learning_rate)
 

@@ -26,7 +26,6 @@ class Breakpoints:
         self.engine = engine
         self.step: int | None = None
         self.when: Callable[[StepResult], bool] | None = None
-        self.armed = False  # a step or a condition is set (the loop asks only then: it asks after every step)
         self.last_failure: DebugContext | None = None
         self.debugger = Debugger(engine, hook_getter, self.keep)
         engine.debugger = self.debugger
@@ -37,13 +36,11 @@ class Breakpoints:
 
     def set(self, step: int | None, when: Callable[[StepResult], bool] | None) -> None:
         self.step, self.when = step, when
-        self.armed = step is not None or when is not None
 
     def matches(self, result: StepResult) -> bool:
         """Whether to stop after this step (a step break point matches once)."""
         if self.step is not None and result.global_train_step == self.step:
             self.step = None
-            self.armed = self.when is not None
             return True
         return self.when is not None and bool(self.when(result))
 

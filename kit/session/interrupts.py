@@ -23,18 +23,19 @@ class InterruptGuard:
 
     def __init__(self) -> None:
         self._requested_at: float | None = None
-        self.requested = False  # an attribute, not a property: the loop reads it after every step
         self.reason = ""
 
     def request(self, reason: str = "pause requested") -> None:
         """Ask the running loop to stop at the next step boundary (thread-safe)."""
         self.reason = reason
         self._requested_at = time.monotonic()
-        self.requested = True
+
+    @property
+    def requested(self) -> bool:
+        return self._requested_at is not None
 
     def clear(self) -> None:
         self._requested_at = None
-        self.requested = False
         self.reason = ""
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
@@ -43,7 +44,6 @@ class InterruptGuard:
             raise KeyboardInterrupt("second interrupt within a second: stopped mid-step")
         self.reason = "interrupt"
         self._requested_at = now
-        self.requested = True
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:

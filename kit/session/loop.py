@@ -53,16 +53,6 @@ _PAUSED = object()
 Units = Generator[None, None, Any]
 
 
-def _advance(gen: Units, deadline: float | None, driver: LoopDriver) -> tuple[bool, Any]:
-    """Drive ``gen`` until it returns (→ (True, value)) or ``deadline`` passes (→ (False, None))."""
-    driver.deadline = deadline
-    try:
-        next(gen)
-    except StopIteration as stop:
-        return True, stop.value
-    return False, None
-
-
 class LoopDriver:
     """Steps the engine's loop for one session; owns the interrupt guard and the background thread."""
 
@@ -91,7 +81,7 @@ class LoopDriver:
             unit = next_unit()
             if isinstance(unit, StepDone):
                 steps, last = steps + 1, unit.result
-                if breakpoints.armed and breakpoints.matches(last):
+                if breakpoints.matches(last):
                     session.lifecycle.set(Status.PAUSED)
                     return breakpoints.stop_here(last)
                 if steps == n_steps:
@@ -108,6 +98,15 @@ class LoopDriver:
                 return _PAUSED
             if self.deadline is not None and time.monotonic() >= self.deadline:
                 yield
+
+    def advance(self, gen: Units, deadline: float | None) -> tuple[bool, Any]:
+        """Drive ``gen`` until it returns (→ (True, value)) or the slice ends at ``deadline`` (→ (False, None))."""
+        self.deadline = deadline
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return True, stop.value
+        return False, None
 
     def _last_row(self) -> dict[str, Any]:
         engine = self.session.engine
@@ -142,7 +141,7 @@ class LoopDriver:
                     deadline = time.monotonic() + self.yield_every_secs
                     # the guard's flag is read as each slice ends (deferred mode), inside the error tracking
                     with self.session.entered(), self.errors_tracked(), self.session.engine.guard.deferred_reads():
-                        done, result = _advance(gen, deadline, self)
+                        done, result = self.advance(gen, deadline)
                     if done:
                         return self.finish(result, outcome)
                     await asyncio.sleep(0)  # let the kernel handle widget messages (the Pause button)
@@ -181,7 +180,7 @@ class LoopDriver:
 
     def drive_all(self, units: Callable[[], Units]) -> Any:
         with self.session.entered(), self.errors_tracked(), self.session.engine.guard.deferred_reads():
-            return _advance(units(), None, self)[1]
+            return self.advance(units(), None)[1]
 
     def prepare(self, live: bool | None, allow_finished: bool) -> None:
         """Preconditions of every train_* call, and the dashboard when asked."""
