@@ -276,7 +276,7 @@ class Engine:
             guard.begin_step()
         # window start: a fresh gradient accumulation window
         if p.accum_count == 0:
-            updater.optimizer.zero_grad(set_to_none=True)
+            updater.zero_grad()
         lr = epochs.set_step_learning_rate(self, opts) if probe_lr is None else self.set_probe_learning_rate(probe_lr)
         # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
         ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)

@@ -365,7 +365,7 @@ class NonFiniteGuard:
         """Drop the window, tell the events and the debugger, then skip (False) or raise."""
         engine, p = self.engine, self.engine.progress
         bad = self._nonfinite_names(step_losses, named_grads=later == 0)
-        engine.built_updater.optimizer.zero_grad(set_to_none=True)
+        engine.built_updater.zero_grad()
         self._flag().zero_()
         p.accum_count = 0  # the window with the bad micro-batch is dropped as a whole
         kept = "parameters, optimizer state and module buffers are as before it"

@@ -236,7 +236,16 @@ class Updater:
         return norm
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        """Every gradient to None, as ``optimizer.zero_grad()`` does. For an optimizer with torch's own
+        ``zero_grad`` kit sets them itself: torch's wraps the loop in a profiler range and a compile
+        guard, ~15 µs a step (no ``Optimizer.zero_grad`` range shows in a torch profiler trace then)."""
+        optimizer = self.optimizer
+        if type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
+            optimizer.zero_grad(set_to_none=True)
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
 
     # ---- state --------------------------------------------------------------------------
 

@@ -290,3 +290,28 @@ def test_state_from_a_different_grouping_is_refused():
     state = make(model).state_dict()
     with pytest.raises(KitError, match="parameter groups"):
         make(model, optimizer={"class": "adamw", "weight_decay": 0.01}).load_state_dict(state)
+
+
+# ---- zero_grad ------------------------------------------------------------------------------
+
+
+def test_zero_grad_sets_every_gradient_of_every_group_to_none():
+    updater = make(optimizer={"class": "adamw", "weight_decay": 0.1})  # two groups
+    params = updater.parameters()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    updater.zero_grad()
+    assert len(updater.optimizer.param_groups) == 2 and all(p.grad is None for p in params)
+
+
+def test_zero_grad_of_an_optimizer_with_its_own_is_that_one():
+    calls = []
+
+    class Own(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            calls.append(set_to_none)
+            super().zero_grad(set_to_none)
+
+    updater = make(optimizer={"class": Own})
+    updater.zero_grad()
+    assert calls == [True]
