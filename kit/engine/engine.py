@@ -331,7 +331,7 @@ class Engine:
             scaler.unscale_(optimizer)
         updater.apply_gradient_noise()
         grad_norm = updater.clip_gradients()
-        step: Callable[[], object] = optimizer.step if scaler is None else lambda: scaler.step(optimizer)
+        step: Callable[[], object] = updater.optimizer_step if scaler is None else lambda: scaler.step(optimizer)
         self.guard.step_optimizer(step) if guarded else step()
         if scaler is not None:
             scaler.update()

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kit.config import Config
+from kit.engine import optimizer_calls
 from kit.engine.optimizer_check import (  # noqa: F401 - resolve_* and optimizer_classes: public here too
     check_optimizer,
     optimizer_classes,
@@ -232,20 +233,16 @@ class Updater:
             grad_scaler.step(self.optimizer)
             grad_scaler.update()
         else:
-            self.optimizer.step()
+            self.optimizer_step()
         return norm
 
+    def optimizer_step(self) -> None:
+        """``optimizer.step()``, without torch's profiler range where nothing can tell (:mod:`kit.engine.optimizer_calls`)."""
+        optimizer_calls.step(self.optimizer)
+
     def zero_grad(self) -> None:
-        """Every gradient to None, as ``optimizer.zero_grad()`` does. For an optimizer with torch's own
-        ``zero_grad`` kit sets them itself: torch's wraps the loop in a profiler range and a compile
-        guard, ~15 µs a step (no ``Optimizer.zero_grad`` range shows in a torch profiler trace then)."""
-        optimizer = self.optimizer
-        if type(optimizer).zero_grad is not torch.optim.Optimizer.zero_grad:
-            optimizer.zero_grad(set_to_none=True)
-            return
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                param.grad = None
+        """Every gradient to None, as ``optimizer.zero_grad()`` does (:mod:`kit.engine.optimizer_calls`)."""
+        optimizer_calls.zero_grad(self.optimizer)
 
     # ---- state --------------------------------------------------------------------------
 
