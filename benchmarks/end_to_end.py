@@ -10,6 +10,10 @@ plan, validation against ``extern_data``, padding) every step. Measured against
 * **loop + DataLoader**: the same loop fed by a plain ``torch.utils.data.DataLoader`` over
   a map-style torch dataset of per-sequence tensors, ``batch_sampler`` = kit's plan,
   ``pad_sequence`` collate, 0 workers;
+* **loop + per-item collate**: the same loop, each batch collated in turn from the same torch
+  dataset's items with the same ``pad_sequence`` collate, no DataLoader: the least a training
+  loop over per-item data does each step (the floor of a ``TorchDataset``, whose items kit reads
+  one by one too);
 * **kit**: ``Session.train_steps(k)`` over an ``ArrayDataset`` of dicts and over a
   ``TorchDataset`` wrapping that torch dataset, with defaults (the non-finite guard on)
   and with ``stop_on_nonfinite_train_score=False``.
@@ -199,6 +203,13 @@ def precollated(seqs: list[dict[str, np.ndarray]], plan: list[list[int]]) -> Ite
     return itertools.cycle(ready)
 
 
+def per_item_batches(dataset: SeqTensors, plan: list[list[int]]) -> Iterator[tuple[torch.Tensor, ...]]:
+    while True:
+        for idx in plan:
+            x, y, lengths = pad_collate([dataset[i] for i in idx])
+            yield x, y, length_mask(lengths, y.shape[1])
+
+
 def dataloader_batches(dataset: SeqTensors, plan: list[list[int]]) -> Iterator[tuple[torch.Tensor, ...]]:
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=plan, collate_fn=pad_collate, num_workers=0)
     while True:  # epoch after epoch, as a training loop does
@@ -237,6 +248,7 @@ def contenders(w: Workload) -> dict[str, Any]:
     torch_items = SeqTensors(seqs)
     return {
         "loop, pre-collated": HandLoop(copy.deepcopy(base), precollated(seqs, plan)),
+        "loop + per-item collate": HandLoop(copy.deepcopy(base), per_item_batches(torch_items, plan)),
         "loop + DataLoader": HandLoop(copy.deepcopy(base), dataloader_batches(torch_items, plan)),
         "kit ArrayDataset, guard on": KitRun(copy.deepcopy(base), ArrayDataset(seqs), w, guard=True),
         "kit ArrayDataset, guard off": KitRun(copy.deepcopy(base), ArrayDataset(seqs), w, guard=False),

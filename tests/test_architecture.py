@@ -28,6 +28,8 @@ THIRD_PARTY = {  # name: why kit reaches it
     "_shutdown_workers": "the DataLoader iterator's worker shutdown",
     "_foreach_copy_": "torch._foreach_copy_: the non-finite guard's fused copy of its backups (one kernel)",
     "_amp_foreach_non_finite_check_and_unscale_": "torch's fused NaN/Inf check (GradScaler's op): the guard's flag",
+    "_optimizer_step_code": "torch's Optimizer._optimizer_step_code: what torch's step wrapper calls after the step; "
+                            "kit/engine/optimizer_calls.py calls it where it calls the wrapped step itself",
 }
 
 
