@@ -117,5 +117,6 @@ def test_an_optimizer_with_a_step_of_its_own_making_is_called_as_is():
             calls.append("step")
 
     assert optimizer_calls.unwrapped_step(NotTorchs) is None
+    assert optimizer_calls.has_step_hooks(NotTorchs())  # type: ignore[arg-type]  # hooks unknown: torch's path
     optimizer_calls.step(NotTorchs())  # type: ignore[arg-type]
     assert calls == ["step"]
