@@ -41,6 +41,8 @@ def unwrapped_step(cls: type) -> Callable[..., Any] | None:
     step = getattr(cls, "step", None)
     if _WRAPPER_CODE is None or getattr(step, "__code__", None) is not _WRAPPER_CODE:
         return None
+    if not callable(getattr(cls, "_optimizer_step_code", None)):  # what the wrapper calls after the step
+        return None
     return getattr(step, "__wrapped__", None)
 
 

@@ -120,3 +120,21 @@ def test_an_optimizer_with_a_step_of_its_own_making_is_called_as_is():
     assert optimizer_calls.has_step_hooks(NotTorchs())  # type: ignore[arg-type]  # hooks unknown: torch's path
     optimizer_calls.step(NotTorchs())  # type: ignore[arg-type]
     assert calls == ["step"]
+
+
+def test_the_engine_steps_through_it_and_a_users_hook_on_its_optimizer_runs_every_update(ranges):
+    from helpers.models import TinyModel, tiny_config
+
+    import kit
+    from kit.engine.engine import Engine
+
+    engine = Engine(kit.Config(tiny_config(None, get_model=lambda **_: TinyModel(dropout=0.0))))
+    for _ in range(2):
+        assert engine.train_step() is not None
+    assert not [r for r in ranges if r.startswith("Optimizer.")]  # no step or zero_grad range without a profiler
+    seen: list[int] = []
+    assert engine.updater is not None
+    engine.updater.optimizer.register_step_post_hook(lambda opt, a, k: seen.append(len(opt.state)))
+    for _ in range(3):
+        assert engine.train_step() is not None
+    assert len(seen) == 3 and all(seen)  # after each of the 3 updates, with the optimizer's state made
