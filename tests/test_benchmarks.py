@@ -52,3 +52,17 @@ def test_step_lines_counts_kit_code_only_in_kit_steps_and_more_with_the_guard():
     assert sum(on.lines.values()) > sum(off.lines.values())  # the guard's check runs in kit's code
     assert any(path == "kit/engine/guard.py" for path, _ in on.lines)
     assert not any(path == "kit/engine/guard.py" and fn == "_check" for path, fn in off.lines)
+
+
+def test_report_holds_a_torch_dataset_on_the_mlp_to_the_per_item_loop_and_the_rest_to_the_targets(capsys):
+    class Run:
+        model = torch.nn.Linear(2, 2)
+
+    times = {"loop, pre-collated": [1.0] * 3, "loop + per-item collate": [1.30] * 3,
+             "kit ArrayDataset, guard off": [1.06] * 3, "kit TorchDataset, guard off": [1.20] * 3,
+             "kit TorchDataset, guard on": [1.35] * 3}
+    e.report(e.WORKLOADS["mlp"], dict.fromkeys(times, Run()), times, "loop, pre-collated")
+    lines = {line.split("  ")[1].strip(): line for line in capsys.readouterr().out.splitlines() if "kit " in line}
+    assert lines["kit ArrayDataset, guard off"].endswith("≤ 1.05 MISSED")
+    assert lines["kit TorchDataset, guard off"].endswith("< per-item loop ok")
+    assert lines["kit TorchDataset, guard on"].endswith("< per-item loop MISSED")
