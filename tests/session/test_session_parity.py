@@ -134,6 +134,21 @@ def test_the_callers_cached_gaussian_and_numpy_stream_survive_a_sessions_calls()
     assert got == want
 
 
+def test_the_callers_python_stream_and_cached_gaussian_survive_a_sessions_calls():
+    random.seed(3)
+    want = [random.gauss(0, 1), random.gauss(0, 1), random.random(), random.gauss(0, 1)]
+    random.seed(3)
+    got = [random.gauss(0, 1)]  # random now caches the pair's second value in gauss_next
+    with kit.Session(**tiny_config(**CONFIG_A)) as s:
+        s.train_step()
+        got.append(random.gauss(0, 1))  # the cached one
+        s.train_steps(2)
+        got.append(random.random())
+        s.train_step()
+        got.append(random.gauss(0, 1))
+    assert got == want
+
+
 def test_a_blocking_train_call_swaps_the_sessions_world_once(monkeypatch):
     from kit.session import world
 
