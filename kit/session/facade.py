@@ -21,7 +21,7 @@ import gc
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,13 +105,11 @@ class Session:
 
     # ---- the session's world ----------------------------------------------------------
 
-    @contextlib.contextmanager
-    def entered(self) -> Iterator[None]:
+    def entered(self) -> contextlib.AbstractContextManager[None]:
         """This session's RNG states and torch defaults in, the caller's back afterwards (:mod:`kit.session.world`)."""
         if self.lifecycle.status is Status.CLOSED:
             raise SessionStateError("this session is closed; create a new one")
-        with self.world.entered():
-            yield
+        return self.world.entered()
 
     def setup(self) -> None:
         """Device, datasets, score table and model (resumed or fresh); cheap once done."""

@@ -15,6 +15,7 @@ import torch
 from kit import rng
 
 TorchDefaults = tuple[torch.dtype, torch.device]
+_NOTHING = contextlib.nullcontext()  # stateless: one serves every nested entry of every world
 
 
 class World:
@@ -26,34 +27,31 @@ class World:
         self.outer: tuple | None = None  # the caller's state put back when the last block ended
         self.depth = 0  # entered blocks now: inside one (a view asking from a step_end handler) nothing swaps
 
-    @contextlib.contextmanager
-    def entered(self) -> Iterator[None]:
-        """This world's state in, the caller's back afterwards (also when the block raises)."""
-        if self.depth:
-            yield
-            return
-        self.depth += 1
-        try:
-            with self._swapped():
-                yield
-        finally:
-            self.depth -= 1
+    def entered(self) -> contextlib.AbstractContextManager[None]:
+        """This world's state in, the caller's back afterwards (also when the block raises);
+        inside an entered block, nothing (one shared no-op: a train call enters several times)."""
+        return _NOTHING if self.depth else self._outermost()
 
     @contextlib.contextmanager
-    def _swapped(self) -> Iterator[None]:
-        # each snapshot is compared with the one the state may still equal (numpy's part is then reused)
-        outer, outer_defaults = rng.snapshot(like=self.outer), torch_defaults()
-        if self.rng is not None:
-            rng.restore(self.rng, now=outer)
-        if self.defaults is not None:
-            set_torch_defaults(self.defaults, outer_defaults)
+    def _outermost(self) -> Iterator[None]:
+        self.depth += 1
         try:
-            yield
+            # each snapshot is compared with the one the state may still equal (numpy's and python's
+            # parts are then reused, and written back only where they differ)
+            outer, outer_defaults = rng.snapshot(like=self.outer), torch_defaults()
+            if self.rng is not None:
+                rng.restore(self.rng, now=outer)
+            if self.defaults is not None:
+                set_torch_defaults(self.defaults, outer_defaults)
+            try:
+                yield
+            finally:
+                self.rng, self.defaults = rng.snapshot(like=self.rng or outer), torch_defaults()
+                rng.restore(outer, now=self.rng)
+                self.outer = outer
+                set_torch_defaults(outer_defaults, self.defaults)
         finally:
-            self.rng, self.defaults = rng.snapshot(like=self.rng or outer), torch_defaults()
-            rng.restore(outer, now=self.rng)
-            self.outer = outer
-            set_torch_defaults(outer_defaults, self.defaults)
+            self.depth -= 1
 
 
 def torch_defaults() -> TorchDefaults:

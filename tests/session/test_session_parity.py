@@ -153,7 +153,7 @@ def test_a_blocking_train_call_swaps_the_sessions_world_once(monkeypatch):
     from kit.session import world
 
     swaps = []
-    original = world.World._swapped
+    original = world.World._outermost
 
     def counted(self):
         swaps.append(1)
@@ -161,7 +161,7 @@ def test_a_blocking_train_call_swaps_the_sessions_world_once(monkeypatch):
 
     with kit.Session(**tiny_config(**CONFIG_A)) as s:
         s.train_step()  # set-up (model, optimizer, pipeline) done
-        monkeypatch.setattr(world.World, "_swapped", counted)
+        monkeypatch.setattr(world.World, "_outermost", counted)
         for call in (s.train_step, lambda: s.train_steps(3), s.train_epoch):
             swaps.clear()
             call()
