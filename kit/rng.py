@@ -129,12 +129,12 @@ class NumpyState:
     """numpy's global RandomState: its full state (``np.random.get_state``), and the raw words of its
     MT19937 generator (624 keys and the position, through numpy's public ``ctypes`` interface)
     that tell in a microsecond whether it moved. ``get_state``/``set_state`` copy the keys one by
-    one (~50 µs each)."""
+    one (~50 µs each). ``words`` (its generator: ``words.owner``) only where ``raw`` was confirmed."""
 
-    __slots__ = ("state", "generator", "raw", "words")
+    __slots__ = ("state", "raw", "words")
 
-    def __init__(self, state: dict[str, Any], generator: Any, raw: bytes | None, words: Words | None = None):
-        self.state, self.generator, self.raw, self.words = state, generator, raw, words
+    def __init__(self, state: dict[str, Any], raw: bytes | None, words: Words | None):
+        self.state, self.raw, self.words = state, raw, words
 
 
 _MT_KEY_BYTES = 624 * 4  # mt19937_state: uint32 key[624]; int pos
@@ -182,7 +182,7 @@ def numpy_state(like: NumpyState | None = None) -> NumpyState:
         key, pos = state["state"]["key"], state["state"]["pos"]
         if raw != key.astype(np.uint32).tobytes() + int(pos).to_bytes(4, sys.byteorder, signed=True):
             raw = None
-    return NumpyState(state, words.owner if words is not None else None, raw, words if raw is not None else None)
+    return NumpyState(state, raw, words if raw is not None else None)
 
 
 class PythonState:
