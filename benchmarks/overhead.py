@@ -28,6 +28,10 @@ default guard, issue 15).
 (a) a tiny per-frame MLP, where framework overhead dominates (target ≤ 1.10);
 (b) the same MLP with a BatchNorm layer: the guard also keeps the module buffers;
 (c) an LSTM on padded 12AX sequences (target ≤ 1.02).
+
+Rounds: 91 for the MLPs, 31 for the LSTM. A round's guard ratio spreads by ±10 % on this
+2-core machine, so with 31 rounds the MLP's median guard cost moved between 1.00 and 1.05
+from run to run, across the whole ≤ 1.05 margin; three times the rounds narrow that.
 """
 
 from __future__ import annotations
@@ -89,12 +93,13 @@ class Case:
     max_seqs: int
     steps: int  # per timed run
     target: float
+    rounds: int  # default rounds: a round of the MLPs is ~0.3 s, of the LSTM ~2 s
 
 
 CASES = {
-    "mlp": Case("(a) tiny MLP, 9-16-2 per frame", lambda: MLP(16), 200, 400, 8, 100, 1.10),
-    "bn": Case("(b) tiny MLP with BatchNorm, 9-16-2", lambda: NormMLP(16), 200, 400, 8, 100, 1.10),
-    "lstm": Case("(c) LSTM 9-256-2 on padded seqs", lambda: LSTM(256), 200, 2000, 20, 10, 1.02),
+    "mlp": Case("(a) tiny MLP, 9-16-2 per frame", lambda: MLP(16), 200, 400, 8, 100, 1.10, 91),
+    "bn": Case("(b) tiny MLP with BatchNorm, 9-16-2", lambda: NormMLP(16), 200, 400, 8, 100, 1.10, 91),
+    "lstm": Case("(c) LSTM 9-256-2 on padded seqs", lambda: LSTM(256), 200, 2000, 20, 10, 1.02, 31),
 }
 
 
@@ -222,7 +227,7 @@ def bench(case: Case, rounds: int, profile: bool) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=31)
+    ap.add_argument("--rounds", type=int, help="rounds per case (default: the case's; 91 MLP, 31 LSTM)")
     ap.add_argument("--only", choices=sorted(CASES))
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--wall", action="store_true", help="time wall clock instead of process CPU time")
@@ -237,7 +242,7 @@ def main() -> None:
     )
     for key, case in CASES.items():
         if args.only in (None, key):
-            bench(case, args.rounds, args.profile)
+            bench(case, args.rounds or case.rounds, args.profile)
 
 
 if __name__ == "__main__":
