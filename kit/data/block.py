@@ -213,10 +213,10 @@ def _fields(
         if layout is None:  # no time axis: rows
             rows = new.array((len(block.idx), *kp.pk.data.shape[1:]), kp.dtype, zero=False)
             packing.fill_rows(rows, kp.pk.data, block.idx)
-            for b, t in enumerate(torch.from_numpy(rows).split(splits)):
+            for b, t in enumerate(_aligned(torch.from_numpy(rows).split(splits))):
                 fields[b][kp.key] = Field(t, None, sparse_dim)
             continue
-        tensors = _time_tensors(kp, block, layout, new)
+        tensors = _aligned(_time_tensors(kp, block, layout, new))
         lengths_array = new.array((len(block.idx),), np.dtype(np.int32), zero=False)
         lengths_array[:] = layout.lengths
         lengths = torch.from_numpy(lengths_array).split(splits)
@@ -226,6 +226,21 @@ def _fields(
             f.prepare_mask(masks[b])
             fields[b][kp.key] = f
     return fields
+
+
+_FLOAT_ALIGN = 16  # bytes: what malloc, numpy and so RETURNN's batches give (torch's own: 64)
+
+
+def _aligned(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors``, each floating one whose data does not start on a 16-byte boundary copied to
+    one that does. A batch's view into its block starts wherever the batches before it end, and
+    on AVX-512 CPUs MKL's matrix products round differently for inputs that are not 16-byte
+    aligned (the same Linear layer's output differs in the last bit between offsets 0 and 4
+    bytes): without the copy, kit's losses drift from RETURNN's, and from kit's own batch-by-batch
+    gathering, by an ulp. Integer and bool tensors take no such paths and stay views."""
+    if not tensors or not tensors[0].is_floating_point():
+        return list(tensors)
+    return [t if t.data_ptr() % _FLOAT_ALIGN == 0 else t.clone() for t in tensors]
 
 
 def _time_tensors(kp: KeyPlan, block: _Block, layout: _TimeLayout, new: _Carver) -> list[torch.Tensor]:

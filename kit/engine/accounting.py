@@ -148,7 +148,10 @@ class EpochAccounting:
         n = len(self._run_names)
         for i, acc in enumerate(self._run):
             column = [s.sums[i] for s in pending] if i < n else [s.norms[i - n] for s in pending]
-            acc.add_(torch.stack(column).sum(dtype=acc.dtype))
+            # added step after step onto the running total, as RETURNN adds them: a cumulative sum is
+            # that order exactly, where torch's sum of a vector adds in lanes whose number (and so
+            # the rounding of float64 losses) depends on the CPU's vector width (AVX2, AVX-512)
+            acc.copy_(torch.cat([acc.view(1), torch.stack(column).to(acc.dtype)]).cumsum(0)[-1])
 
     @property
     def totals(self) -> dict[str, torch.Tensor]:

@@ -355,3 +355,17 @@ def test_block_buffers_are_used_again_only_once_no_batch_holds_them(monkeypatch)
     del held, second
     third = memory.carver().array((4, 3), np.dtype(np.float32), zero=True)  # both buffers free again
     assert not third.any() and a.shape == (4, 3)
+
+
+def test_block_batches_float_tensors_start_16_byte_aligned(blocks):
+    """A batch's float tensor starts where malloc's, numpy's (and so RETURNN's) would: on a 16-byte
+    boundary. MKL's matrix products round differently for inputs that do not (on AVX-512 CPUs), so a
+    view wherever the previous batch ended made kit's losses differ from RETURNN's in the last bit."""
+    ds = ArrayDataset([{"data": np.full((t, 9), t, np.float32), "classes": np.arange(t) % 3}
+                       for t in [4, 7, 5, 11, 6] * 40])  # 36-byte frames: most batches end off a boundary
+    spec = {"data": {"shape": (None, 9)}, "classes": {"shape": (None,), "sparse_dim": 3}}
+    got = list(Pipeline(ds, extern_data=spec, batch_size=40, max_seqs=4))
+    assert [n for n in blocks if n is not None]  # gathered as blocks
+    assert len(got) > 10 and all(b["data"].tensor.data_ptr() % 16 == 0 for b in got)
+    ends = [b["data"].tensor.numel() * 4 for b in got]
+    assert any(e % 16 for e in ends)  # batches whose views alone would have started off a boundary

@@ -582,3 +582,23 @@ def test_step_losses_are_read_when_asked_and_cached():
     with HostReads() as again:
         assert result.losses == losses
     assert first.reads and not again.reads and set(losses) == {"ce", "fer"}
+
+
+def test_epoch_sums_add_step_after_step_as_returnn_does():
+    """Float64 losses over more steps than one block: the epoch totals equal adding each step onto
+    the running total in turn, to the last bit (a vector sum adds in lanes, which rounds otherwise
+    on some CPUs and broke the RETURNN round trips on an AVX-512 machine)."""
+    from kit.engine.accounting import EpochAccounting, StepLosses
+
+    gen = torch.Generator().manual_seed(3)
+    sums = (torch.rand(100, generator=gen, dtype=torch.float64) * 1e3).unbind()
+    norms = (torch.rand(100, generator=gen, dtype=torch.float64) + 0.5).unbind()
+    acc = EpochAccounting()
+    for s, n in zip(sums, norms):
+        acc.add(StepLosses(["ce"], [s], [n]))
+    total_sum, total_norm = 0.0, 0.0
+    for s, n in zip(sums, norms):
+        total_sum, total_norm = total_sum + float(s), total_norm + float(n)
+    got = acc.totals["ce"].tolist()
+    assert got == [total_sum, total_norm]
+    assert got[0] != sum(sorted(map(float, sums)))  # the order shows in the last bit (else this test could not fail)
