@@ -150,12 +150,12 @@ def sync_mode_between_steps(sess: kit.Session, mode: str, steps: int) -> Iterato
         elif seen == steps + 1:
             torch.cuda.set_sync_debug_mode("default")
 
-    sess.events.on("step_end", on_step_end)
+    sess.on("step_end", on_step_end)
     try:
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        sess.events.off("step_end", on_step_end)
+        sess.off("step_end", on_step_end)
 
 
 def syncs_per_step(sess: kit.Session, steps: int) -> float:

@@ -160,8 +160,8 @@ class KitLoop:
 
     def run(self, batch_list: list[kit.Batch]) -> None:
         engine = self.engine
-        engine.train_pipeline = iter(batch_list)
-        with engine.guard.deferred_reads():  # one train call, as Session.train_steps makes it
+        engine._training.pipeline = iter(batch_list)
+        with engine.driver_call():  # one train call, as Session.train_steps makes it
             for _ in batch_list:
                 engine.train_step()
 

@@ -87,13 +87,13 @@ def count_kit(steps: int, **config) -> tuple[float, float]:
         )
     )
     engine.train_step()  # plans the epoch
-    pipeline, mode = engine.train_pipeline, HostReads()
-    with engine.guard.deferred_reads():  # one train call (Session.train_steps), read when it ends
+    pipeline, mode = engine._training.pipeline, HostReads()
+    with engine.driver_call():  # one train call (Session.train_steps), read when it ends
         for _ in range(steps):
-            engine.train_pipeline = iter([next(pipeline)])
+            engine._training.pipeline = iter([next(pipeline)])
             with mode:
                 engine.train_step()
-    engine.train_pipeline = pipeline
+    engine._training.pipeline = pipeline
     return mode.total / steps, mode.in_optim / steps
 
 

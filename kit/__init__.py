@@ -36,11 +36,12 @@ _LAZY = {
     "ForwardResult": "kit.engine.forward",
     "Session": "kit.session",
     "Paused": "kit.session",
+    "TrainResult": "kit.session",
+    "Event": "kit.events",
     "DebugContext": "kit.debug",
 }
 _SUBMODULES = {"data", "engine", "checkpoints", "scores", "run_ctx", "debug", "widgets", "events",
-               "distributed", "cli", "config", "rng", "fileio", "session", "examples", "compat"}
-_MOVED = {"distributed": "kit.engine.distributed"}  # kit.distributed: the torchrun context, now under the engine
+               "cli", "config", "rng", "fileio", "session", "examples", "compat"}
 
 __all__ = [
     "CheckpointError", "Config", "ConfigError", "CorruptCheckpointError", "DataError", "KitError",
@@ -54,7 +55,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     if name in _SUBMODULES:
-        return importlib.import_module(_MOVED.get(name, f"kit.{name}"))
+        return importlib.import_module(f"kit.{name}")
     raise AttributeError(f"module 'kit' has no attribute {name!r}")
 
 

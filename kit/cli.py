@@ -56,6 +56,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     engine = Engine(_config(args))
     guard = InterruptGuard()
+    table = None
     bar = _progress_bar(engine) if not args.quiet else None
     try:
         with guard.held(), _requests_on(guard, "SIGTERM", "SIGUSR1"):
@@ -66,13 +67,14 @@ def cmd_train(args: argparse.Namespace) -> int:
                     bar.logging_redirected() if bar else contextlib.nullcontext():
                 finished = engine.train(should_stop=lambda: guard.requested)
             main = engine.dist is None or engine.dist.is_main  # under torchrun, rank 0 reports
+            table = engine.scores
             if not finished:
                 return _stopped(engine, guard.reason, args, main)
     finally:
         if bar:
             bar.close()
         engine.close()
-    table = engine.built_scores
+    assert table is not None
     epochs = [e for e in table.epochs if table.has_scores(e)]
     if main and epochs:  # stdout: one line for scripts (the log on stderr leaves this one to it)
         last = epochs[-1]
@@ -149,8 +151,7 @@ def _stopped(engine: Any, reason: str, args: argparse.Namespace, main: bool) -> 
 def cmd_eval(args: argparse.Namespace) -> int:
     from kit.engine.engine import Engine
 
-    engine = Engine(_config(args))
-    engine.task = "eval"  # RETURNN: load / load_epoch choose the weights; preload entries for recog apply
+    engine = Engine(_config(args), task="eval")  # RETURNN: load / load_epoch choose the weights; preload entries for recog apply
     results = engine.eval_model()
     if not results:
         raise KitError(f"{args.config}: no eval datasets (set 'dev', 'eval' or 'eval_datasets')")
@@ -170,8 +171,7 @@ def cmd_forward(args: argparse.Namespace) -> int:
     data = config.typed_value("forward_data") or config.typed_value("dev") or config.typed_value("eval")
     if data is None:
         raise KitError(f"{args.config}: set 'forward_data' (or 'dev') to the dataset to forward")
-    engine = Engine(config)
-    engine.task = "forward"
+    engine = Engine(config, task="forward")
     callback = config.typed_value("forward_callback")
     result = engine.forward(make_dataset(data), callback)
     if callback is None:

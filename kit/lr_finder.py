@@ -1,32 +1,27 @@
 """``session.lr_find()``: an exponential learning-rate sweep that leaves no trace.
 
 The sweep trains ``num_steps`` probe steps on the next training batches (the engine's own
-step, with the probe's learning rate), the learning rate growing from ``start_lr`` to
-``end_lr`` by the same factor each step, and stops early once the smoothed loss diverges
-(non-finite, or more than ``diverge_factor`` times its best). Before it, the engine's training
-state is taken in memory — the same state a checkpoint holds (:func:`kit.engine.state.train_state`)
-plus the weights and buffers — and put back afterwards (also after an error or an interrupt),
-so parameters, optimizer state, RNG states, data position, history and score table are
-bitwise what they were. No event reaches the session's views: the probe steps are not training.
+step at the probe's learning rate, :meth:`kit.engine.engine.Engine.probe_step`), the learning
+rate growing from ``start_lr`` to ``end_lr`` by the same factor each step, and stops early once
+the smoothed loss diverges (non-finite, or more than ``diverge_factor`` times its best). Before it
+the engine's training state is captured (:meth:`~kit.engine.engine.Engine.capture`, the snapshot a
+checkpoint writes) and put back afterwards, also after an error or an interrupt, so parameters,
+optimizer state, RNG states, data position, history and score table are bitwise what they were.
+Probe steps emit no events: the session's views never see them.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd  # type: ignore[import-untyped]
 
-from kit.engine import state as engine_state
-from kit.engine.accounting import EpochAccounting
 from kit.errors import KitError, NonFiniteLossError
-from kit.events import Events
 
 if TYPE_CHECKING:
     from kit.engine.engine import Engine
+    from kit.engine.step import StepResult
 
 
 class LRFindResult(pd.DataFrame):
@@ -79,19 +74,19 @@ def lr_find(engine: Engine, *, start_lr: float = 1e-7, end_lr: float = 10.0, num
     _check_args(start_lr, end_lr, num_steps, smoothing, diverge_factor)
     rows: list[tuple[float, float]] = []
     reason = f"ran all {num_steps} steps"
-    with preserved_training_state(engine):
-        probe = _Probe(loss)
-        engine.events.on("step_end", probe.on_step_end)
+    name = loss
+    snapshot = engine.capture()  # the one undo: put back whatever the sweep does, also on an error
+    try:
         ratio = (end_lr / start_lr) ** (1.0 / max(num_steps - 1, 1))
         best, avg = math.inf, 0.0
         for i in range(num_steps):
             lr = start_lr * ratio**i
             try:
-                _probe_step(engine, lr)
+                result = engine.probe_step(lr)
             except NonFiniteLossError:
                 reason = f"stopped at step {i + 1}: the loss became non-finite at lr {lr:.3g}"
                 break
-            value = probe.value
+            name, value = _followed(result, name)
             avg = smoothing * avg + (1 - smoothing) * value
             smoothed = avg / (1 - smoothing ** (i + 1))
             rows.append((lr, value))
@@ -99,7 +94,9 @@ def lr_find(engine: Engine, *, start_lr: float = 1e-7, end_lr: float = 10.0, num
                 reason = f"stopped at step {i + 1}: the loss diverged at lr {lr:.3g}"
                 break
             best = min(best, smoothed)
-    return _result(rows, smoothing, reason, probe.name)
+    finally:
+        engine.restore_state(snapshot, announce=False)
+    return _result(rows, smoothing, reason, name)
 
 
 def _check_args(start_lr: float, end_lr: float, num_steps: int, smoothing: float, diverge_factor: float) -> None:
@@ -112,61 +109,18 @@ def _check_args(start_lr: float, end_lr: float, num_steps: int, smoothing: float
                          f"{diverge_factor!r}")
 
 
-class _Probe:
-    """The followed loss of the last probe step (one device→host read per step: the sweep must
-    see each loss to stop at divergence)."""
-
-    def __init__(self, name: str | None):
-        self.name, self.value = name, math.nan
-
-    def on_step_end(self, result: Any, **_: Any) -> None:
-        losses = result.losses
-        if self.name is None:
-            names = [n for n in losses if n not in result.step_losses.errors] or list(losses)
-            if not names:
-                raise KitError("lr_find: train_step marked no loss")
-            self.name = names[0]
-        if self.name not in losses:
-            raise KitError(f"lr_find(loss={self.name!r}): train_step marked only {', '.join(losses)}")
-        self.value = losses[self.name]
-
-
-def _probe_step(engine: Engine, lr: float) -> None:
-    """One probe step; when the epoch's data runs out, its batches come round again."""
-    if engine.train_step(probe_lr=lr) is None:
-        engine.progress.steps_exhausted = False
-        engine.built_pipeline.set_epoch(engine.progress.epoch)
-        if engine.train_step(probe_lr=lr) is None:
-            raise KitError("lr_find: the training data gave no batch")
-
-
-@contextmanager
-def preserved_training_state(engine: Engine) -> Iterator[None]:
-    """Take the engine's training state in memory; put it back bitwise afterwards, whatever happens.
-
-    The probe steps see a fresh event bus, no debugger and a throwaway loss accounting.
-    """
-    state = copy.deepcopy(engine_state.train_state(engine))  # optimizer, scaler, progress, LR, RNG, LR control
-    model = engine.built_model
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}  # parameters and buffers
-    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
-    pipeline = copy.deepcopy(engine.built_pipeline.state_dict())  # also when no epoch runs
-    scores = copy.deepcopy(engine.built_scores.state_dict())
-    kept: dict[str, Any] = {"events": engine.events, "debugger": engine.debugger, "accounting": engine.accounting,
-            "last_batch": engine.last_batch, "training": model.training}
-    engine.events, engine.debugger, engine.accounting = Events(), None, EpochAccounting()
-    try:
-        yield
-    finally:
-        engine.events, engine.debugger = kept["events"], kept["debugger"]
-        model.load_state_dict(weights)
-        engine_state.load_train_state(engine, state)
-        engine.accounting, engine.last_batch = kept["accounting"], kept["last_batch"]
-        engine.built_pipeline.load_state_dict(pipeline)
-        for name, param in model.named_parameters():
-            param.grad = grads[name]
-        engine.built_scores.load_state_dict(scores)
-        model.train(kept["training"])
+def _followed(result: StepResult, name: str | None) -> tuple[str, float]:
+    """The followed loss of a probe step (one device→host read per step: the sweep must see each loss
+    to stop at divergence)."""
+    losses = result.losses
+    if name is None:
+        names = [n for n in losses if n not in result.step_losses.errors] or list(losses)
+        if not names:
+            raise KitError("lr_find: train_step marked no loss")
+        name = names[0]
+    if name not in losses:
+        raise KitError(f"lr_find(loss={name!r}): train_step marked only {', '.join(losses)}")
+    return name, losses[name]
 
 
 def _result(rows: list[tuple[float, float]], smoothing: float, reason: str, name: str | None) -> LRFindResult:

@@ -19,17 +19,15 @@ import pytest
 
 KIT = Path(__file__).resolve().parents[1] / "kit"
 PRIVATE = re.compile(r"^_(?!_)(?!repr_)(?!ipython_)")  # IPython's _repr_*_ / _ipython_*_ are protocols
-THIRD_PARTY = {  # name: why kit reaches it
-    "_getframe": "sys._getframe: the replay's user-frame walk (CPython's frame API)",
-    "_C": "torch._C._current_autograd_node (looked up with getattr; absent in some torch versions)",
+THIRD_PARTY = {  # name: why kit reaches it — none for speed; each has no public equivalent
+    "_C": "torch._C._current_autograd_node: the replay names the forward line that made a NaN in the backward "
+          "(debugging only; looked up with getattr, absent in some torch versions)",
     "_new_shared": "torch.UntypedStorage._new_shared: shared-memory batches from data workers",
-    "_NormBase": "torch.nn.modules.batchnorm._NormBase: the base of every norm layer",
     "_iterator": "DataLoader._iterator: shutting its workers down without a new iterator",
     "_shutdown_workers": "the DataLoader iterator's worker shutdown",
-    "_foreach_copy_": "torch._foreach_copy_: the non-finite guard's fused copy of its backups (one kernel)",
-    "_amp_foreach_non_finite_check_and_unscale_": "torch's fused NaN/Inf check (GradScaler's op): the guard's flag",
-    "_optimizer_step_code": "torch's Optimizer._optimizer_step_code: what torch's step wrapper calls after the step; "
-                            "kit/engine/optimizer_calls.py calls it where it calls the wrapped step itself",
+}
+PRIVATE_MODULES = {  # modules named with an underscore that kit imports, and why
+    "torch.utils._python_dispatch": "TorchDispatchMode, the replay's per-op check (its only home in torch)",
 }
 
 
@@ -170,3 +168,51 @@ def test_views_never_touch_the_engine_of_a_session():
     found = [f"{p.relative_to(KIT.parent)}:{n.lineno}" for p, tree in modules().items() if "widgets" in p.parts
              for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "engine"]
     assert found == []
+
+
+def test_no_ctypes_and_no_private_module_beyond_the_listed_ones():
+    """Public ground: kit reads no memory by address, and imports private modules only where listed."""
+    found = []
+    for path, tree in modules().items():
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "ctypes" or (parts[0] in ("torch", "numpy", "_signal", "_random")
+                                            and any(p.startswith("_") for p in parts)
+                                            and not any(name.startswith(m) for m in PRIVATE_MODULES)):
+                    found.append(f"{path.relative_to(KIT.parent)}:{node.lineno} {name}")
+    assert found == []
+
+
+def _progress_writes(trees: dict[Path, ast.Module]) -> list[str]:
+    fields = {"epoch", "step_in_epoch", "global_train_step", "num_updates", "accum_count", "epoch_running",
+              "steps_exhausted", "consec_skipped_updates", "skipped_updates_in_epoch", "epoch_start_global_step",
+              "last_complete_frac"}
+    found = []
+    for path, tree in trees.items():
+        if path.name == "progress.py":
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    if isinstance(t, ast.Attribute) and t.attr in fields and isinstance(t.value, (ast.Name, ast.Attribute)):
+                        owner = ast.unparse(t.value)
+                        if owner in ("p", "progress") or owner.endswith("progress"):
+                            found.append(f"{path.relative_to(KIT.parent)}:{node.lineno} {ast.unparse(t)}")
+    return found
+
+
+def test_progress_fields_are_written_only_by_its_transitions():
+    assert _progress_writes(modules()) == []
+
+
+def test_the_progress_check_finds_a_write():
+    tree = ast.parse("def f(engine):\n    p = engine.progress\n    p.accum_count = 0\n")
+    assert _progress_writes({KIT / "engine" / "x.py": tree}) == ["kit/engine/x.py:3 p.accum_count"]

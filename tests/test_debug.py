@@ -15,6 +15,7 @@ from helpers.models import TinyModel, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kit
+from kit.rng import RngState
 import kit.debug
 from kit.data import Task12AXDataset
 
@@ -289,7 +290,7 @@ def test_exception_from_user_code_keeps_its_type_and_carries_the_step_context():
     assert ctx.batch["data"].tensor.device.type == "cpu"
     assert ctx.seq_tags == seen["tags"] and len(ctx.seq_tags) > 0
     assert ctx.model is session.model and ctx.optimizer is session.optimizer
-    assert torch.equal(ctx.rng_state[0], ctx.rng_state[0]) and ctx.rng_state[0].dtype == torch.uint8
+    assert torch.equal(ctx.rng_state.torch, ctx.rng_state.torch) and ctx.rng_state.torch.dtype == torch.uint8
     assert session.last_failure is ctx
     assert "bomb" in str(ctx) and "ValueError" in str(ctx)
 
@@ -365,7 +366,7 @@ def test_replay_names_the_planted_division_and_reproduces_the_failure():
     assert session.model.training
 
     # negative control: the same batch under another dropout mask gives other losses
-    ctx.rng_state = (torch.Generator().manual_seed(123).get_state(), None)
+    ctx.rng_state = RngState(torch.Generator().manual_seed(123).get_state())
     other = session.replay(ctx)
     assert other.found and not other.reproduced and "NOT reproduced" in str(other)
 
@@ -385,7 +386,7 @@ class NormModel(TinyModel):
 def test_replay_keeps_buffers_and_each_module_mode():
     session = kit.Session(**config(get_model=lambda **_: NormModel()))
     session.break_on(step=1)
-    ctx = session.train()
+    ctx = session.train().debug
     session.model.drop.eval()  # a mixed state the replay must give back as it was
     buffers = {n: b.clone() for n, b in session.model.named_buffers()}
     report = session.replay(ctx)
@@ -457,9 +458,9 @@ def test_break_on_returns_the_context_and_continuing_equals_an_uninterrupted_run
     session = kit.Session(**config(num_epochs=2, train_step=seq_tag_spy(k, seen)))
     session.debug_hook = Recorder()
     session.break_on(step=2)
-    early = session.train()
+    early = session.train().debug
     session.break_on(step=k)
-    ctx = session.train()
+    ctx = session.train().debug
     assert isinstance(ctx, kit.debug.DebugContext) and ctx.event == "step"
     assert (ctx.epoch, ctx.step, ctx.global_train_step) == (2, 3, k)
     assert ctx.seq_tags == seen["tags"] and set(ctx.losses) == {"ce", "fer"}
@@ -479,12 +480,12 @@ def test_break_on_when_stops_at_every_match():
     session = kit.Session(**config(num_epochs=2), debug_hook=None)
     session.break_on(when=lambda result: result.global_train_step in (1, 5, 9))
     stops = []
-    while not isinstance(out := session.train(), dict):
-        stops.append((out.event, out.global_train_step))
+    while (out := session.train()).outcome == "break":
+        stops.append((out.debug.event, out.debug.global_train_step))
     assert stops == [("step", 1), ("step", 5), ("step", 9)]  # a context even without a hook
     assert params_equal_to(session, reference)
     session.break_on()  # clears
-    assert session.breakpoints.when is None and session.breakpoints.step is None
+    assert session._parts.breakpoints.when is None and session._parts.breakpoints.step is None
 
 
 @pytest.mark.parametrize("kept", [True, False])
@@ -498,7 +499,7 @@ def test_a_hook_that_uses_randomness_does_not_change_training(kept, monkeypatch)
 
     session = kit.Session(**config(num_epochs=2), debug_hook=noisy_hook)
     session.break_on(step=4)
-    assert session.train().event == "step"
+    assert session.train().debug.event == "step"
     session.train()
     assert params_equal_to(session, reference) is kept
 
@@ -616,7 +617,7 @@ def test_close_releases_the_captured_batch_too():
     gc.collect()
     assert ref() is None
     with pytest.raises(kit.errors.KitError, match="no captured batch"):
-        kit.debug.replay(session.engine, kit.debug.DebugContext("step", 1, 0, 0))
+        kit.debug.replay(session._parts.engine, kit.debug.DebugContext("step", 1, 0, 0))
 
 
 def test_debug_shell_before_train_loop_is_replaced_by_debug_hook(tmp_path):
@@ -648,23 +649,23 @@ def test_config_debug_hook_works_without_a_session():
 
 @pytest.mark.parametrize("patched", [True, False])
 def test_train_eval_and_replay_run_the_same_step_code(patched, monkeypatch):
-    """kit.engine.compute.forward is the one forward: a change there reaches training, eval and replay."""
-    from kit.engine import compute
+    """kit.engine.compute.Compute.forward is the one forward: a change there reaches training, eval and replay."""
+    from kit.engine.compute import Compute
 
-    real = compute.forward
+    real = Compute.forward
 
-    def forward(engine, fn, ctx, batch):
+    def forward(self, fn, ctx, batch):
         def with_extra(**kwargs):
             fn(**kwargs)
             kit.get_run_ctx().mark_as_loss(torch.tensor(7.0), "extra")
 
-        real(engine, with_extra, ctx, batch)
+        real(self, with_extra, ctx, batch)
 
     if patched:  # negative control: without it no step marks "extra"
-        monkeypatch.setattr(compute, "forward", forward)
+        monkeypatch.setattr(Compute, "forward", forward)
     session = kit.Session(**config(num_epochs=1))
     session.break_on(step=2)
-    ctx = session.train()
+    ctx = session.train().debug
     assert ("extra" in ctx.losses) is patched
     report = session.replay(ctx)  # after a step break the weights are updated: losses differ, names do not
     assert ("extra" in report.losses) is patched and report.losses.keys() == ctx.losses.keys()

@@ -102,7 +102,9 @@ def test_negative_control_without_putting_the_state_back_the_checks_fail(tmp_pat
     session = _session(tmp_path, "control")
     session.train_steps(5)
     before = _everything(session)
-    monkeypatch.setattr(kit.lr_finder.engine_state, "load_train_state", lambda engine, state: None)
+    from kit.engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "restore_state", lambda self, state, announce=True: None)
     session.lr_find(start_lr=1e-5, end_lr=1.0, num_steps=5)
     after = _everything(session)
     assert not _tensors_equal(before["train_state"]["progress"], after["train_state"]["progress"])

@@ -225,7 +225,7 @@ def test_session_save_mid_epoch_and_a_new_session_continues_bit_exactly(tmp_path
     cfg = config(tmp_path / "model", **WORKERS)
     with kit.Session(cfg) as first:
         first.train_steps(STEPS_PER_EPOCH + 7)  # epoch 2, step 7: the window [6, 7] is open
-        assert (first.epoch, first.step_in_epoch, first.engine.progress.accum_count) == (2, 7, 1)
+        assert (first.epoch, first.step_in_epoch, first._parts.engine.progress.accum_count) == (2, 7, 1)
         ckpt = first.save()
         before = first.history
     assert (ckpt.kind, ckpt.global_train_step) == ("step", STEPS_PER_EPOCH + 7)
@@ -234,7 +234,7 @@ def test_session_save_mid_epoch_and_a_new_session_continues_bit_exactly(tmp_path
         assert (second.epoch, second.step_in_epoch, second.global_train_step) == (2, 7, STEPS_PER_EPOCH + 7)
         second.train()
         after = second.history
-        result = snapshot(second.engine, [])
+        result = snapshot(second._parts.engine, [])
     assert list(before["global_train_step"]) + list(after["global_train_step"]) == list(
         range(2 * STEPS_PER_EPOCH)
     )
@@ -332,7 +332,7 @@ def test_start_epoch_picks_the_checkpoint_before_it(tmp_path, reference, caplog)
     )
     assert (engine.progress.epoch, engine.progress.global_train_step) == (2, STEPS_PER_EPOCH)
     assert same_weights(engine.model, weights_of(f"{prefix}.001.pt"))
-    assert optimizer_states_equal(engine.updater.optimizer.state_dict(), state["optimizer"])
+    assert optimizer_states_equal(engine.optimizer.state_dict(), state["optimizer"])
     assert kit.ScoreTable.load(f"{prefix}.scores.json").scores(2) == {}
     engine.close()
 

@@ -1,8 +1,10 @@
 """Debug hook instead of a debug shell: the failing step's context handed back as an object.
 
 RETURNN's ``debug_shell_before_train_loop`` opens a blocking terminal shell (dead in
-Jupyter) and its NaN check runs after the bad update. In kit the engine calls a hook
-with a :class:`DebugContext` on these events, while the loop state is intact:
+Jupyter) and its NaN check runs after the bad update. In kit a hook gets a
+:class:`DebugContext` on these events, while the loop state is intact.
+
+The debugger subscribes to the engine's bus (``epoch_begin``, ``exception``, ``nonfinite``):
 
 - ``before_train_loop`` — start of every train epoch
 - ``exception`` — any exception from user code in train, eval or forward
@@ -31,14 +33,13 @@ from kit.debug.hooks import DebugStop, capture, post_mortem, raise_
 from kit.engine.debugging import DEBUG_EVENTS, DebugContext, Debugger, rng_kept
 
 if TYPE_CHECKING:
-    from kit.debug.replay_step import ReplayReport
-    from kit.engine.engine import Engine
+    from kit.debug.replay_step import ReplayReport, Replayable
 
 __all__ = ["DEBUG_EVENTS", "DebugContext", "DebugStop", "Debugger", "Finding", "ReplayReport", "capture",
            "post_mortem", "raise_", "replay", "rng_kept"]
 
 
-def replay(engine: Engine, ctx: DebugContext, *, anomaly: bool = True) -> ReplayReport:
+def replay(engine: Replayable, ctx: DebugContext, *, anomaly: bool = True) -> ReplayReport:
     """Re-run exactly the captured step and name the first op/module/line that made a NaN/Inf.
 
     Returns a :class:`kit.debug.ReplayReport`; see :mod:`kit.debug.replay_step`.

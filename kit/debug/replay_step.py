@@ -11,29 +11,36 @@ from __future__ import annotations
 
 import contextlib
 import html
+import inspect
 import linecache
 import math
 import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from kit.config import Config
 from kit.data.batch import Batch
 from kit.debug.hooks import is_user_file
-from kit.engine import compute
 from kit.engine.accounting import stack_losses
+from kit.engine.compute import Compute, total_loss
 from kit.engine.debugging import DebugContext, format_losses, rng_kept
 from kit.errors import KitError
 from kit.run_ctx import RunCtx
 
-if TYPE_CHECKING:
-    from kit.engine.engine import Engine
+
+class Replayable(Protocol):
+    """What a replay reads of an engine: its config (the user's step functions) and its one forward/backward."""
+
+    config: Config
+
+    @property
+    def compute(self) -> Compute | None: ...
 
 
 @dataclass
@@ -170,7 +177,7 @@ def _same_nonfinite(captured: list[str], replayed: list[str]) -> bool:
 
 
 def _nonfinite(x: Any) -> bool:
-    for leaf in tree_leaves(x):
+    for leaf in _leaves(x):
         if (
             isinstance(leaf, torch.Tensor)
             and leaf.is_floating_point()
@@ -182,9 +189,22 @@ def _nonfinite(x: Any) -> bool:
     return False
 
 
+def _leaves(x: Any) -> Iterator[Any]:
+    """The values inside nested tuples, lists and dicts (an op's inputs or outputs)."""
+    if isinstance(x, (tuple, list)):
+        for item in x:
+            yield from _leaves(item)
+    elif isinstance(x, dict):
+        for item in x.values():
+            yield from _leaves(item)
+    else:
+        yield x
+
+
 def _user_frame() -> tuple[str, int, str] | None:
     """The innermost frame outside torch, kit and the standard library: the user's line."""
-    frame: types.FrameType | None = sys._getframe(1)
+    here = inspect.currentframe()
+    frame: types.FrameType | None = here.f_back if here is not None else None
     while frame is not None:
         if is_user_file(frame.f_code.co_filename):
             return frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name
@@ -294,7 +314,7 @@ class _Stamper(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         origin = None
-        for leaf in tree_leaves(out):
+        for leaf in _leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
                 origin = origin or self.tracer.origin()
                 leaf.grad_fn.metadata.setdefault("kit_origin", origin)  # type: ignore[attr-defined]  # a dict
@@ -349,14 +369,14 @@ def _traced_backward(model: torch.nn.Module, total: torch.Tensor, tracer: _Trace
     model.zero_grad(set_to_none=True)
     tracer.phase = "backward"
     with tracer.active():
-        # the engine's backward, unscaled: a float16 loss scale only moves the range, and its
+        # the backward unscaled: a float16 loss scale only moves the range, and its
         # expected overflows (skipped by the scaler) would hide the op that made the NaN
-        compute.backward(total, None)
+        total.backward()
     bad = [n for n, p in model.named_parameters() if p.grad is not None and _nonfinite(p.grad)]
     return [f"gradient of {n}" for n in bad[:20]]
 
 
-def replay_step(engine: Engine, ctx: DebugContext, *, anomaly: bool = True) -> ReplayReport:
+def replay_step(engine: Replayable, ctx: DebugContext, *, anomaly: bool = True) -> ReplayReport:
     """Re-run forward and backward of exactly the captured step; name the op that made a NaN/Inf.
 
     The step runs through the engine's own code (:mod:`kit.engine.compute`), as in training
@@ -370,9 +390,12 @@ def replay_step(engine: Engine, ctx: DebugContext, *, anomaly: bool = True) -> R
     """
     if ctx is None or ctx.batch is None:
         raise KitError("nothing to replay: no captured batch (none was captured, or it was released)")
-    model, train = engine.built_model, ctx.stage == "train"
+    compute = engine.compute
+    if compute is None:
+        raise KitError("nothing to replay on: the engine is not set up (no model)")
+    model, train = compute.model, ctx.stage == "train"
     fn = engine.config.typed_value("forward_step" if ctx.stage == "forward" else "train_step")
-    batch = ctx.batch.to(engine.built_device)
+    batch = ctx.batch.to(compute.device)
     stack: list[tuple[str, str]] = []
     tracer = _Tracer(stack, stamp=anomaly and train)
     run = RunCtx(
@@ -388,18 +411,16 @@ def replay_step(engine: Engine, ctx: DebugContext, *, anomaly: bool = True) -> R
     handles = _module_hooks(model, stack)
     with _model_state_kept(model), rng_kept():
         if ctx.rng_state is not None:
-            torch.set_rng_state(ctx.rng_state[0])
-            if ctx.rng_state[1] is not None:
-                torch.cuda.set_rng_state_all(ctx.rng_state[1])
+            ctx.rng_state.restore()
         model.train(train)
         try:
             with torch.set_grad_enabled(train):
                 with tracer.active():
-                    compute.forward(engine, fn, run, batch)
+                    compute.forward(fn, run, batch)
                 losses = stack_losses(run.losses).normalized()
                 nonfinite = [f"loss {k}" for k, v in losses.items() if not math.isfinite(v)]
                 if train and run.losses:
-                    nonfinite += _traced_backward(model, compute.total_loss(run), tracer)
+                    nonfinite += _traced_backward(model, total_loss(run), tracer)
         except Exception as exc:  # the report says what the step raised instead of raising it
             error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
         finally:

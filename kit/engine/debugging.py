@@ -1,12 +1,12 @@
-"""The engine's debug protocol: what it calls (:class:`DebugProtocol`) and what a hook receives (:class:`DebugContext`).
+"""The debugger on the engine's bus (:class:`Debugger`) and what a hook receives (:class:`DebugContext`).
 
-The engine calls ``debugger.notify(event, ...)`` at ``before_train_loop`` (start of every
-train epoch), ``exception`` (user code raised in train, eval or forward) and ``nonfinite``
-(the guard fired, before the update); a Session's break points build ``step`` contexts.
-:class:`Debugger` is the implementation that builds a context and calls the ``debug_hook``
-with every RNG state put back afterwards, so looking never changes training. It lives here,
-beside the engine, because the engine builds contexts for the CLI and torchrun too; the hooks
-and the replay (:mod:`kit.debug`) act on contexts and import this module, never the reverse.
+The debugger subscribes to the bus like every other view, with ``may_raise=True`` (a hook may stop
+training): ``epoch_begin`` gives the hook a ``before_train_loop`` context, ``exception`` (user code
+raised in train, eval or forward) and ``nonfinite`` (the guard fired, before the update) theirs;
+a Session's break points build ``step`` contexts. The hook runs with every RNG state put back
+afterwards, so looking never changes training. It lives here, beside the engine, because the CLI
+and torchrun build contexts too; the hooks and the replay (:mod:`kit.debug`) act on contexts and
+import this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import torch
 from kit.data.batch import Batch, Field
 from kit.engine.accounting import StepLosses
 from kit.engine.user_code import module_call_stack
+from kit.events import Event, Events
+from kit.rng import RngState
 
 if TYPE_CHECKING:
-    from kit.engine.engine import Engine
+    from kit.engine.progress import Progress
 
 DEBUG_EVENTS = ("before_train_loop", "exception", "nonfinite", "step")
 
-RngState = tuple[torch.Tensor, "list[torch.Tensor] | None"]  # torch's (and CUDA's) RNG state
 Hook = Callable[["DebugContext"], Any]
 
 
@@ -103,55 +104,64 @@ def format_losses(losses: dict[str, float]) -> str:
 @contextlib.contextmanager
 def rng_kept() -> Iterator[None]:
     """Put every global RNG state back after the block (hooks and replays never change training)."""
-    from kit.rng import restore, snapshot
-
-    saved = snapshot()
+    saved = RngState.capture()
     try:
         yield
     finally:
-        restore(saved)
+        saved.restore()
 
 
-class DebugProtocol(Protocol):
-    """What the engine calls at its debug events; a hook may raise to stop training."""
+class DebugSubject(Protocol):
+    """What a debugger reads of the engine it watches: where training stands, the model and optimizer."""
 
-    def notify(
-        self,
-        event: str,
-        *,
-        error: BaseException | None = None,
-        batch: Batch | None = None,
-        stage: str = "train",
-        step_losses: StepLosses | None = None,
-        rng: RngState | None = None,
-    ) -> object: ...
+    @property
+    def progress(self) -> Progress: ...
+
+    @property
+    def model(self) -> torch.nn.Module | None: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
 
 
 class Debugger:
-    """Builds DebugContexts from engine notifications and calls the current ``debug_hook``.
+    """Builds DebugContexts from the bus' events and calls the current ``debug_hook``.
 
-    The engine calls :meth:`notify` directly (not through ``engine.events``): a hook may
-    raise to stop training, which a safely dispatched event subscriber could not.
-    ``keeper`` is where :meth:`DebugContext.keep` puts a context (held weakly: a context
-    kept elsewhere never keeps its session alive).
+    It subscribes with ``may_raise=True``: a hook may raise to stop training, which a safely
+    dispatched subscriber could not. ``keeper`` is where :meth:`DebugContext.keep` puts a context
+    (held weakly: a context kept elsewhere never keeps its session alive).
     """
 
-    def __init__(self, engine: Engine, hook_getter: Callable[[], Hook | None],
+    def __init__(self, subject: DebugSubject, hook_getter: Callable[[], Hook | None],
                  keeper: Callable[[DebugContext], None] | None = None):
-        self.engine = engine
+        self.subject = subject
         self.hook_getter = hook_getter
         self.keeper = _weak_callable(keeper) if keeper is not None else None
 
-    def notify(
-        self,
-        event: str,
-        *,
-        error: BaseException | None = None,
-        batch: Batch | None = None,
-        stage: str = "train",
-        step_losses: StepLosses | None = None,
-        rng: RngState | None = None,
-    ) -> DebugContext | None:
+    def subscribe(self, events: Events) -> None:
+        events.on(Event.EPOCH_BEGIN, self.on_epoch_begin, may_raise=True)
+        events.on(Event.EXCEPTION, self.on_exception, may_raise=True)
+        events.on(Event.NONFINITE, self.on_nonfinite, may_raise=True)
+
+    def unsubscribe(self, events: Events) -> None:
+        events.off(Event.EPOCH_BEGIN, self.on_epoch_begin)
+        events.off(Event.EXCEPTION, self.on_exception)
+        events.off(Event.NONFINITE, self.on_nonfinite)
+
+    def on_epoch_begin(self, **_: Any) -> None:
+        self.notify("before_train_loop")
+
+    def on_exception(self, error: BaseException, stage: str, batch: Batch | None, rng: RngState | None,
+                     **_: Any) -> None:
+        self.notify("exception", error=error, stage=stage, batch=batch, rng=rng)
+
+    def on_nonfinite(self, error: BaseException, batch: Batch, step_losses: StepLosses, rng: RngState | None,
+                     **_: Any) -> None:
+        self.notify("nonfinite", error=error, batch=batch, step_losses=step_losses, rng=rng)
+
+    def notify(self, event: str, *, error: BaseException | None = None, batch: Batch | None = None,
+               stage: str = "train", step_losses: StepLosses | None = None,
+               rng: RngState | None = None) -> DebugContext | None:
         """Build the context and call the hook; nothing at all when no hook is set."""
         if self.hook_getter() is None:
             return None
@@ -165,22 +175,14 @@ class Debugger:
             with rng_kept():
                 hook(ctx)
 
-    def context(
-        self,
-        event: str,
-        *,
-        error: BaseException | None = None,
-        batch: Batch | None = None,
-        stage: str = "train",
-        step_losses: StepLosses | None = None,
-        rng: RngState | None = None,
-    ) -> DebugContext:
-        engine, p = self.engine, self.engine.progress
+    def context(self, event: str, *, error: BaseException | None = None, batch: Batch | None = None,
+                stage: str = "train", step_losses: StepLosses | None = None,
+                rng: RngState | None = None) -> DebugContext:
+        p = self.subject.progress
         step, global_step = p.step_in_epoch, p.global_train_step
         if event == "step":  # a break point, after the step: describe the step that just ran
             step, global_step = step - 1, global_step - 1
-            rng = rng if rng is not None else engine.step_rng_state
-        model = engine.model
+        model = self.subject.model
         return DebugContext(
             event=event,
             epoch=p.epoch,
@@ -189,7 +191,7 @@ class Debugger:
             stage=stage.split(" ")[0],
             batch=cpu_copy(batch) if batch is not None else None,
             model=model,
-            optimizer=engine.updater.optimizer if engine.updater is not None else None,
+            optimizer=self.subject.optimizer,
             losses=step_losses.normalized() if step_losses is not None else {},
             exception=error,
             module_stack=module_call_stack(error.__traceback__, model) if error is not None else [],

@@ -1,49 +1,56 @@
 """``Engine``: RETURNN's PyTorch engine as a step machine.
 
 The Session (notebook), the CLI and torchrun all step through the same loop
-(:attr:`Engine.loop`, :mod:`kit.engine.loop`), whose units are ``train_step`` (one
-micro-batch) and ``finish_epoch`` (scores, eval, LR, checkpoint, cleanup); ``eval_model``
-and ``forward`` run the same forward code (:mod:`kit.engine.compute`). Nothing here prints,
-draws or reads widgets; whoever wants to know subscribes to ``engine.events``, and a
-debugger is reached through the typed :class:`~kit.engine.debugging.DebugProtocol`.
+(:attr:`Engine.loop`, :mod:`kit.engine.loop`), whose units are :meth:`Engine.train_step` (one
+micro-batch: the algorithm box of :mod:`kit.engine.step`, with the log line and step checkpoint
+the loop schedules around it) and :meth:`Engine.finish_epoch` (scores, eval, LR, checkpoint,
+cleanup). ``eval_model`` and ``forward`` run the same forward code (:class:`~kit.engine.compute.Compute`).
+The engine's parts are private; its collaborators get the parts they use (:mod:`kit.engine.parts`).
+Nothing here draws or reads widgets; whoever wants to know subscribes to ``engine.events``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import platform
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kit.config import Config
-from kit.data.batch import Batch
-from kit.engine import amp, compute, distributed, epochs, parts, state
-from kit.engine import start as start_
-from kit.engine.accounting import EpochAccounting, stack_losses
-from kit.engine.debugging import DebugContext, Debugger, DebugProtocol, RngState
-from kit.engine.device import select_device
+from kit.engine import build, distributed, parts, saving, step
+from kit.engine.accounting import EpochAccounting
+from kit.engine.debugging import DebugContext, Debugger, Hook
 from kit.engine.evaluation import evaluate_dataset
-from kit.engine.guard import NonFiniteGuard
+from kit.engine.guard import GuardOptions
 from kit.engine.loop import EpochDone, TrainingLoop
-from kit.engine.memory import MemoryFigures, MemoryMeter
+from kit.engine.memory import MemoryFigures
 from kit.engine.progress import Progress
+from kit.engine.state import TrainingState, cpu_copy, detached_copy
 from kit.engine.step import StepOptions, StepResult
-from kit.engine.user_code import check_accepts_kwargs
-from kit.errors import ConfigError, KitError
-from kit.events import Events
-from kit.rng import get_rng_state, set_rng_state, torch_rng_state
-from kit.run_ctx import RunCtx
+from kit.errors import DataError, KitError
+from kit.events import (
+    CheckpointSaved,
+    EpochBegin,
+    EpochEnd,
+    EvalBegin,
+    EvalEnd,
+    Events,
+    Restored,
+    StepBegin,
+    StepEnd,
+)
+from kit.rng import RngState, epoch_seed, seed_all
 from kit.scores import ScoreTable, format_step_line
 
 if TYPE_CHECKING:
     from kit.checkpoints import Checkpoint
     from kit.checkpoints.lock import PrefixLock
-    from kit.data.extern_data import ExternData
-    from kit.data.pipeline import Pipeline
-    from kit.engine.lr_control import LearningRateControl
-    from kit.engine.updater import Updater
+    from kit.data.batch import Batch
+    from kit.engine.parts import Built, Training
 
 __all__ = ["Engine", "StepOptions", "StepResult"]
 
@@ -53,326 +60,372 @@ logger = logging.getLogger("kit")
 class Engine:
     """Train, evaluate and forward a model from a :class:`Config`.
 
-    Construction is cheap; the device, model, optimizer and data pipeline are set up
-    on first use (:meth:`setup`), resuming from the newest complete checkpoint.
+    Construction is cheap; the device, model, optimizer and data pipeline are set up on first
+    use (:meth:`setup`), resuming from the newest complete checkpoint. ``task``: RETURNN's
+    ``"train"``, ``"eval"`` or ``"forward"`` (the last two load ``load`` / ``load_epoch``'s weights,
+    never a training state).
     """
 
-    def __init__(self, config: Config, *, events: Events | None = None):
+    def __init__(self, config: Config, *, events: Events | None = None, task: str = "train"):
         self.config = config
         self.events = events or Events()
-        # RETURNN's task: "eval" / "forward" load the weights of load / load_epoch, never a training state
-        self.task = "train"
-        self.progress = Progress()
         self.loop = TrainingLoop(self)
-        self.is_set_up = False
-        self.device: torch.device | None = None  # chosen by the set-up
-        self.amp_dtype: torch.dtype | None = None
-        self.float_dtype: torch.dtype | None = None  # default_float_dtype: the model's and the steps' floats
-        self.dist: distributed.DistributedContext | None = None  # set up under torchrun
-        self.datasets: dict[str, Any] = {}  # config key ("train", "dev", "eval_datasets.<name>") -> dataset
-        self.extern_data: ExternData | None = None
-        self.model: torch.nn.Module | None = None
-        self.updater: Updater | None = None
-        self.grad_scaler: torch.amp.GradScaler | None = None
-        self.lr_control: LearningRateControl | None = None
-        self.train_pipeline: Pipeline | None = None
-        self.accounting = EpochAccounting()
-        self.scores: ScoreTable | None = None
-        self.memory: MemoryMeter | None = None
-        self.epoch_start_time = 0.0
-        self.epoch_learning_rate = 0.0  # the epoch's (LR control)
-        self.step_learning_rate = 0.0  # the last step's (dynamic_learning_rate may change it per step)
-        self.last_checkpoint: Checkpoint | None = None
         self.last_failure: DebugContext | None = None  # what kit.debug.capture kept (no Session)
-        # a privileged subscriber: called directly, so it may raise or stop
-        self.debugger: DebugProtocol | None = None
-        self.prefix_lock: PrefixLock | None = None  # while this engine trains into `model`
-        if config.typed_value("debug_hook") is not None:  # the CLI and torchrun too; a Session installs its own
-            self.debugger = Debugger(self, lambda: self.config.typed_value("debug_hook"), self.keep_failure)
-        self.step_rng_state: RngState | None = None  # the RNG right before the last step's user code
-        self.last_batch: Batch | None = None
-        self._options: tuple[int, StepOptions] | None = None
+        self._task = task
+        self._progress = Progress()
+        self._built: Built | None = None
+        self._training: Training | None = None
         self._final_epoch: int | None = None
+        self._options: tuple[int, StepOptions] | None = None
         self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
-        self.views: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
-        self.guard = NonFiniteGuard(self)
+        self._loggers: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
+        self._lock: PrefixLock | None = None  # while this engine trains into `model`
+        self._last_checkpoint: Checkpoint | None = None
+        self._epoch_start_time = 0.0
+        self._calls = 0  # driver calls open now (deferred reads wait for their end)
+        self._debugger: Debugger | None = None
+        if config.typed_value("debug_hook") is not None:  # the CLI and torchrun too; a Session attaches its own
+            self.attach_debugger(lambda: self.config.typed_value("debug_hook"), self._keep_failure)
 
-    def keep_failure(self, ctx: DebugContext) -> None:
+    def _keep_failure(self, ctx: DebugContext) -> None:
         self.last_failure = ctx
 
-    # ---- the parts, once set up (a clear error before) ------------------------------------
+    def attach_debugger(self, hook_getter: Callable[[], Hook | None],
+                        keeper: Callable[[DebugContext], None] | None = None) -> Debugger:
+        """The debugger on the bus (replacing an earlier one): it calls ``hook_getter()``'s hook."""
+        if self._debugger is not None:
+            self._debugger.unsubscribe(self.events)
+        self._debugger = Debugger(self, hook_getter, keeper)
+        self._debugger.subscribe(self.events)
+        self._options = None  # the steps keep their RNG for a replay now
+        return self._debugger
+
+    # ---- what others read (never builds anything) -------------------------------------------
 
     @property
-    def built_model(self) -> torch.nn.Module:
-        return _built(self.model, "model")
+    def debugger(self) -> Debugger | None:
+        """The debugger on the bus (a Session's, or the config's ``debug_hook``'s); None without one."""
+        return self._debugger
 
     @property
-    def built_updater(self) -> Updater:
-        return _built(self.updater, "optimizer")
+    def task(self) -> str:
+        return self._task
+
+    @task.setter
+    def task(self, value: str) -> None:
+        if self._built is not None:
+            raise KitError(f"the engine is set up for task {self._task!r} already; set task before setup()")
+        self._task = value
 
     @property
-    def built_scores(self) -> ScoreTable:
-        return _built(self.scores, "score table")
+    def progress(self) -> Progress:
+        """Where training stands (the loop's counters: read them, never assign them)."""
+        return self._progress
 
     @property
-    def built_lr_control(self) -> LearningRateControl:
-        return _built(self.lr_control, "learning-rate control")
+    def is_set_up(self) -> bool:
+        return self._built is not None
 
     @property
-    def built_pipeline(self) -> Pipeline:
-        return _built(self.train_pipeline, "train pipeline")
+    def model(self) -> torch.nn.Module | None:
+        return self._built.model if self._built is not None else None
 
     @property
-    def built_memory(self) -> MemoryMeter:
-        return _built(self.memory, "memory meter")
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self._training.updater.optimizer if self._training is not None else None
 
     @property
-    def built_device(self) -> torch.device:
-        return _built(self.device, "device")
+    def device(self) -> torch.device | None:
+        return self._built.device if self._built is not None else None
 
-    # ---- set-up -----------------------------------------------------------------------
+    @property
+    def compute(self) -> Any:
+        """The one forward/backward (:class:`~kit.engine.compute.Compute`); None before set-up."""
+        return self._built.compute if self._built is not None else None
+
+    @property
+    def scores(self) -> ScoreTable | None:
+        return self._built.scores if self._built is not None else None
+
+    @property
+    def datasets(self) -> dict[str, Any]:
+        """Config key (``train``, ``dev``, ``eval``, ``eval_datasets.<name>``) → dataset, once set up."""
+        return dict(self._built.datasets) if self._built is not None else {}
+
+    @property
+    def dist(self) -> distributed.DistributedContext | None:
+        return self._built.dist if self._built is not None else None
+
+    @property
+    def learning_rate(self) -> float | None:
+        """The learning rate the optimizer holds now; None before the optimizer exists."""
+        return self._training.updater.learning_rate if self._training is not None else None
+
+    @property
+    def num_parameters(self) -> int | None:
+        model = self.model
+        return sum(t.numel() for t in model.parameters()) if model is not None else None
+
+    def memory_now(self) -> MemoryFigures | None:
+        """Memory figures now (read when asked, never inside a step); None before set-up."""
+        return self._built.memory.now() if self._built is not None else None
+
+    @property
+    def model_prefix(self) -> str | None:
+        return self.config.typed_value("model")
+
+    @property
+    def last_checkpoint(self) -> Checkpoint | None:
+        return self._last_checkpoint
+
+    @property
+    def last_batch(self) -> Batch | None:
+        """The last train step's batch (a break point's context reads it)."""
+        return self._training.last_batch if self._training is not None else None
+
+    @property
+    def last_step_rng(self) -> RngState | None:
+        """torch's RNG before the last train step's user code (kept while a debugger is attached)."""
+        return self._training.step_rng if self._training is not None else None
 
     @property
     def final_epoch(self) -> int:
         """The last epoch to train: the config's ``num_epochs``, unless a driver moved it (``Session.extend``)."""
         return self._final_epoch if self._final_epoch is not None else self.config.int("num_epochs")
 
-    @final_epoch.setter
-    def final_epoch(self, epoch: int) -> None:
+    def set_final_epoch(self, epoch: int) -> None:
         self._final_epoch = epoch
 
     @property
     def all_trained(self) -> bool:
         """No epoch is running and the next one is past ``num_epochs``."""
-        p = self.progress
-        return not p.epoch_running and p.epoch > self.final_epoch
+        return not self._progress.epoch_running and self._progress.epoch > self.final_epoch
 
     @property
-    def learning_rate(self) -> float | None:
-        """The learning rate the optimizer holds now; None before the optimizer exists."""
-        return self.built_updater.learning_rate if self.updater is not None else None
+    def training(self) -> bool:
+        """This engine trains (``task="train"`` and the config has ``train`` and ``train_step``)."""
+        return self._task == "train" and build.can_train(self.config)
 
-    @property
-    def num_parameters(self) -> int | None:
-        """Elements of the model's parameters; None before the model is built."""
-        return sum(t.numel() for t in self.built_model.parameters()) if self.model is not None else None
-
-    def memory_now(self) -> MemoryFigures | None:
-        """Memory figures now (read when asked, never inside a step); None before set-up."""
-        return self.built_memory.now() if self.memory is not None else None
-
-    @property
-    def model_prefix(self) -> str | None:
-        return self.config.typed_value("model")
+    # ---- set-up -------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Device, datasets, score table, model (resumed or fresh), optimizer, LR control."""
-        if self.is_set_up:
+        """Device, datasets, score table, model (resumed or fresh); cheap once done."""
+        if self._built is not None:
             return
-        self.device, reason = select_device(self.config.typed_value("device"))
-        self.dist = distributed.from_config(self.config, self.device)
-        if self.dist:  # one process per device (cuda:LOCAL_RANK)
-            self.device, reason = self.dist.device, f"{reason}; {self.dist}"
-        logger.info("device: %s (%s)", self.device, reason)
-        self.memory = MemoryMeter(self.device)
-        if start_.is_training(self):  # the optimizer's class and keywords, before data and model are built
-            from kit.engine.optimizer_check import check_optimizer
-
-            check_optimizer(self.config)
-        if self.model_prefix and start_.is_training(self) and (not self.dist or self.dist.is_main):
-            from kit.checkpoints.lock import PrefixLock
-
-            self.prefix_lock = PrefixLock.acquire(self.model_prefix)  # 'model' writable and ours, before any step
-        self.datasets = parts.build_datasets(self.config)
-        self._attach_config_views()
-        self.extern_data = parts.build_extern_data(self.config)
-        self.scores = parts.open_score_table(self.config)
-        if self.dist and not self.dist.is_main:  # rank 0 alone writes the score file
-            self.built_scores.path = None
-        start = start_.find_start(self.config, self.scores, training=start_.is_training(self))
-        start_.warn_config_changes(self.config, start)
-        self.progress.epoch = start.epoch
-        self.progress.global_train_step = start.global_train_step
-        self.model = parts.create_model(self.config, self.built_device, start.epoch, start.global_train_step)
-        start_.init_weights(self, start)
-        self.float_dtype = amp.cast_to_default_float_dtype(self.built_model, self.config)  # as RETURNN: after loading
-        self.grad_scaler = amp.make_grad_scaler(self.config, self.device)
-        self.amp_dtype = amp.amp_dtype(self.config)
-        self.is_set_up = True
+        built, start, self._lock = build.build_parts(self.config, self.events, training=self.training)
+        self._built = built
+        self._loggers = build.config_loggers(self.config, self.events, self.training and built.dist_is_main,
+                                             lambda: self._progress.global_train_step)
+        self._progress = Progress.starting_at(start.epoch, start.global_train_step)
         if start.train_state is not None:
-            self.ensure_training_parts()
-            state.load_train_state(self, start.train_state)
+            self.prepare_training()
+            self.restore_state(TrainingState.from_file(start.train_state, source=start.source), announce=False)
         if start.needs_eval:
-            self.ensure_training_parts()
+            self.prepare_training()
             self.record_eval(start.epoch - 1, self.eval_model())
             self.save_scores()
 
-    def _attach_config_views(self) -> None:
-        """Views that a config key turns on, for the CLI and a Session alike (rank 0 only)."""
-        if self.config.bool("use_tensorboard") and start_.is_training(self) and (not self.dist or self.dist.is_main):
-            from kit.tensorboard import TensorBoardLogger
-
-            self.views.append(TensorBoardLogger.from_config(self.config, self.events,
-                                                            lambda: self.progress.global_train_step))
-
-    def ensure_training_parts(self) -> None:
+    def prepare_training(self) -> None:
         """Optimizer, LR control and the train pipeline — only needed for training."""
         self.setup()
-        if self.updater is not None:
-            return
-        from kit.data.pipeline import Pipeline
-        from kit.engine.lr_control import make_lr_control
-        from kit.engine.updater import Updater
+        if self._training is None:
+            self._training = build.build_training(self.config, self._built_parts())
 
-        if self.config.typed_value("train_step") is None:
-            raise ConfigError("config key 'train_step' is not set: expected train_step(*, model, extern_data, **kwargs)")
-        check_accepts_kwargs(self.config.typed_value("train_step"), "train_step")
-        if self.datasets.get("train") is None:
-            raise ConfigError("config key 'train' is not set: training needs a dataset")
-        self.updater = Updater(self.config, self.built_model)
-        self.lr_control = make_lr_control(self.config, self.built_scores)
-        make_pipeline = self.dist.pipeline if self.dist else Pipeline.from_config  # a rank's share of each epoch
-        self.train_pipeline = make_pipeline(self.datasets["train"], self.config, train=True,
-                                            extern_data=self.extern_data)
-        if self.dist:  # DDP, or every rank starts from rank 0's weights
-            self.dist.prepare_model(self.built_model)
+    def _built_parts(self) -> Built:
+        self.setup()
+        assert self._built is not None
+        return self._built
 
-    # ---- one train step ---------------------------------------------------------------
+    def _parts(self) -> tuple[Built, Training]:
+        self.prepare_training()
+        assert self._built is not None and self._training is not None
+        return self._built, self._training
 
-    @property
-    def step_options(self) -> StepOptions:
+    def _step_options(self) -> StepOptions:
+        """The config's step and guard settings, read once per config version."""
         if self._options is None or self._options[0] != self.config.version:
-            self.guard.config_changed()
-            self._options = (self.config.version, StepOptions.read(self.config))
+            b, t = self._parts()
+            if t.guard.pending:  # a changed guard setting still settles the steps it holds
+                t.guard.read(self)
+            t.guard.configure(GuardOptions.read(self.config, accelerator=b.device.type != "cpu" and not _many_devices(
+                b.model), distributed=b.dist is not None))
+            self._options = (self.config.version, StepOptions.read(self.config, keep_rng=self._debugger is not None))
         return self._options[1]
 
-    def train_step(self, *, probe_lr: float | None = None) -> StepResult | None:
-        """Train on the next micro-batch of the current epoch; None once the epoch's data is used up.
-        ``probe_lr``: a probe step (the LR finder) at this learning rate, without log line or step checkpoint.
+    # ---- the loop's units ---------------------------------------------------------------------
 
-        Each line here costs ~1 µs (caches cold from the model's compute): parts are read once into
-        locals, and what the config decides once per config version (``step_options``)."""
-        if self.updater is None:
-            self.ensure_training_parts()
-        p, guard, updater, memory, device = self.progress, self.guard, self.updater, self.memory, self.device
-        assert updater is not None and self.train_pipeline is not None and memory is not None and device is not None
+    def train_step(self) -> StepResult | None:
+        """The loop's step unit: the next micro-batch of the current epoch (begun when none runs), its
+        ``step_end``, and the log line and step checkpoint when due; None once the epoch's data is used up."""
+        b, t = self._parts()
+        p, opts = self._progress, self._step_options()
         if not p.epoch_running:
-            epochs.begin_epoch(self)
-        if p.steps_exhausted:
-            return None
-        # fetch: the next batch of the planned epoch (CPU), then to the device
-        batch = next(self.train_pipeline, None)
+            self._begin_epoch()
+        if not p.steps_exhausted:
+            t.guard.begin_step(self)  # before the fetch: a deferred mark must hold the data position before it
+        started = time.perf_counter()
+        batch = None if p.steps_exhausted else next(t.pipeline, None)
         if batch is None:
-            p.steps_exhausted = True
+            p.data_exhausted()
             return None
-        t0 = time.perf_counter()
-        if self.events.has("step_begin"):
-            self.events.emit("step_begin", epoch=p.epoch, step=p.step_in_epoch, batch=batch)
-        batch_dev = compute.to_device(batch, device)
-        self.last_batch = batch  # a reference only: debug contexts of "step" breaks read it
-        opts = self.step_options
-        guarded = opts.guard or guard.pending  # a guard turned off still settles the steps it holds
-        if guarded:
-            guard.begin_step()
-        # window start: a fresh gradient accumulation window
-        if p.accum_count == 0:
-            updater.zero_grad()
-        lr = epochs.set_step_learning_rate(self, opts) if probe_lr is None else self.set_probe_learning_rate(probe_lr)
-        # run ctx: the user's train_step marks losses (autocast when torch_amp is set)
-        ctx = RunCtx("train", train_flag=True, epoch=p.epoch, step=p.global_train_step)
-        # for replaying this step when it fails; only a debugger replays (a few µs of host time per step)
-        self.step_rng_state = torch_rng_state() if self.debugger is not None else None
-        train_step = opts.train_step
-        accum_multiple = opts.accum_fixed or epochs.accum_grad_multiple_step(self, batch, opts)
-        if self.dist:  # through DDP's forward; gradients sync on the last micro-batch of a window (or epoch)
-            last = p.accum_count + 1 >= accum_multiple or batch.complete_frac == 1
-            train_step = self.dist.train_step(train_step, sync=last)
-        compute.run_user_step(self, train_step, ctx, batch_dev, stage="train")
-        # backward: scaled for float16; gradients of micro-batches are summed
-        compute.backward(compute.total_loss(ctx), self.grad_scaler)
-        p.accum_count += 1
-        step_losses = stack_losses(ctx.losses)
-        # guard: this micro-batch's losses and the gradients so far, before any clipping
-        finite = guard.after_backward(step_losses, batch, rng_before=self.step_rng_state) if guarded else True
-        # update when the accumulation window is complete
-        updated, grad_norm = False, None
-        if finite and p.accum_count >= accum_multiple:
-            updated, grad_norm = self._update(guarded)
-        # account: losses stay on the device (deferred guard: once its flag was read)
-        guard.account(step_losses) if guarded else self.accounting.add(step_losses)
-        # the result; the step's memory peak window closes (CUDA host counters; nothing is read elsewhere)
-        result = StepResult(p.epoch, p.step_in_epoch, p.global_train_step, lr, updated,
-                            time.perf_counter() - t0, batch.num_seqs, batch.complete_frac, step_losses, grad_norm,
-                            memory.end_step())
-        p.step_in_epoch, p.global_train_step = p.step_in_epoch + 1, p.global_train_step + 1
-        if batch.complete_frac is not None:
-            p.last_complete_frac = batch.complete_frac
-        if guarded:
-            guard.end_step()
-        self.events.emit("step_end", result=result)
-        if probe_lr is not None:
-            return result
+        self.events.emit(StepBegin(p.epoch, p.step_in_epoch, batch))
+        result = step.train_step(batch, started, p, b, t, opts)
+        self.events.emit(StepEnd(result))
         # the log line and the step checkpoint, when due; the guard's flag is read where they read losses
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
-            guard.check()
+            self.read_guard()
             logger.info(format_step_line(result.epoch, result.step, result.losses, result.seconds))
-        if opts.save_every and p.global_train_step % opts.save_every == 0:
+        if opts.save_every and p.global_train_step % opts.save_every == 0 and not t.guard.retraining:
             self.save_checkpoint(kind="step")
-        guard.step_returned()
+        if self._calls == 0:  # a bare call (outside any driver's call) reads the flag
+            self.read_guard()
         return result
 
-    def _update(self, guarded: bool) -> tuple[bool, torch.Tensor | None]:
-        """Unscale → gradient noise → clip → optimizer step (a no-op on the device after a NaN/Inf)."""
-        p, updater, scaler = self.progress, self.updater, self.grad_scaler
-        assert updater is not None
-        optimizer = updater.optimizer
-        p.accum_count = 0
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        updater.apply_gradient_noise()
-        grad_norm = updater.clip_gradients()
-        step: Callable[[], object] = updater.optimizer_step if scaler is None else lambda: scaler.step(optimizer)
-        self.guard.step_optimizer(step) if guarded else step()
-        if scaler is not None:
-            scaler.update()
-        p.num_updates, p.consec_skipped_updates = p.num_updates + 1, 0
-        if self.dist:  # reduce_type "param": average the weights every param_sync_step updates
-            self.dist.after_update(self.built_model, p.num_updates)
-        return True, grad_norm
+    def probe_step(self, lr: float) -> StepResult:
+        """One train step at the learning rate ``lr``, without events, log line or checkpoint, the guard in
+        immediate mode (the LR finder's probe: take a :meth:`capture` first and :meth:`restore_state` after);
+        when the epoch's data runs out, its batches come round again."""
+        b, t = self._parts()
+        p, opts = self._progress, self._step_options()
+        if not p.epoch_running:
+            self._begin_epoch(announce=False)
+        kept = t.last_batch, t.step_rng  # what a break point's context would read
+        t.schedule.hold(lr)
+        try:
+            with t.guard.replaying(silent=True):
+                for _ in range(2):
+                    t.guard.begin_step(self)
+                    started, batch = time.perf_counter(), next(t.pipeline, None)
+                    if batch is not None:
+                        return step.train_step(batch, started, p, b, t, opts)
+                    t.pipeline.set_epoch(p.epoch)
+                    p.data_again()
+        finally:
+            t.schedule.hold(None)
+            t.last_batch, t.step_rng = kept
+        raise KitError("the training data gave no batch")
 
-    def set_probe_learning_rate(self, lr: float) -> float:
-        """A probe step's learning rate (the LR finder); the next scheduled step sets its own again."""
-        self.built_updater.set_learning_rate(lr)
-        self.step_learning_rate = lr
-        return lr
+    def retrain(self, steps: int) -> None:
+        """Train ``steps`` steps again after a rewind (the guard's deferred mode): the same units, without
+        step checkpoints (those were written the first time)."""
+        for _ in range(steps):
+            if self.train_step() is None:
+                return
 
-    # ---- epochs -----------------------------------------------------------------------
-
-    def finish_epoch(self) -> dict[str, float]:
-        """End the current epoch: train scores, eval, next LR, score file, checkpoint, cleanup."""
-        p = self.progress
+    def finish_epoch(self) -> dict[str, Any]:
+        """End the current epoch: its remaining steps, train scores, eval, next LR, score file, checkpoint."""
+        b, t = self._parts()
+        p = self._progress
         if not p.epoch_running:
             raise KitError(f"no epoch is running (at the {p.where()})")
         while self.train_step() is not None:  # the epoch's remaining steps, if any
             pass
         if p.accum_count:  # a partial accumulation window: RETURNN drops it, kit applies it
-            self.guard.refresh()  # the guard's mode as the config is now (it may have changed since the step)
-            self._update(self.step_options.guard or self.guard.pending)
-        self.guard.check()  # the epoch's scores read the losses anyway
-        if self.dist:  # the loss sums of all ranks; reduce_type "param": the same weights everywhere
-            self.dist.finish_train_epoch(self.built_model, self.accounting)
-        return epochs.end_epoch(self)
+            step.update(p, b, t)
+        self.read_guard()  # the epoch's scores read the losses anyway
+        t.guard.epoch_boundary()
+        if b.dist:  # the loss sums of all ranks; reduce_type "param": the same weights everywhere
+            b.dist.finish_train_epoch(b.model, t.accounting)
+        return self._end_epoch()
+
+    def _begin_epoch(self, *, announce: bool = True) -> None:
+        """The epoch's learning rate, seeds and data plan; ``epoch_begin`` (not for a probe)."""
+        b, t = self._parts()
+        p = self._progress
+        lr = t.schedule.begin_epoch(p.epoch)
+        # randomness depends on (random_seed, epoch, global step) only, not on process history
+        # (and on the rank: DDP ranks must not all draw the same dropout masks)
+        rank = (b.dist.rank,) if b.dist and b.dist.rank else ()  # rank 0 draws as one process
+        seed_all(epoch_seed(p.epoch, p.global_train_step, self.config.int("random_seed"), *rank))  # RETURNN's
+        t.pipeline.set_epoch(p.epoch)
+        t.accounting = EpochAccounting()
+        p.begin_epoch()
+        self._epoch_start_time = time.time()
+        b.model.train()
+        if announce:
+            logger.info("start epoch %d, global train step %d, learning rate %g", p.epoch, p.global_train_step, lr)
+            self.events.emit(EpochBegin(p.epoch, lr))
+
+    def _end_epoch(self) -> dict[str, Any]:
+        """After the epoch's last step: train scores, eval, next LR, score file, checkpoint; ``epoch_end``."""
+        b, t = self._parts()
+        p, table = self._progress, b.scores
+        epoch = p.epoch
+        if t.accounting.num_steps == 0:
+            raise DataError(f"epoch {epoch}: the training dataset gave no batches")
+        table.set_scores(epoch, t.accounting.scores("train_loss_"), errors=t.accounting.error_keys("train_loss_"))
+        table.set_meta(epoch, **self._epoch_meta(b, t))
+        self.record_eval(epoch, self.eval_model())
+        p.end_epoch()
+        logger.info("finished epoch %d: %s", epoch, format_scores(table.scores(epoch)))
+        if p.epoch <= self.final_epoch:  # newbob decides with this epoch's scores; stored when epoch e+1 starts,
+            # so the score file holds exactly one row per finished epoch (as RETURNN's after a crash)
+            logger.info("learning rate for epoch %d: %g", p.epoch, t.schedule.lr_control.calc_learning_rate_for_epoch(p.epoch))
+        self.save_scores()
+        if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
+            self.save_checkpoint(kind="epoch", epoch=epoch)
+        row = self.epoch_scores(epoch)
+        self.events.emit(EpochEnd(epoch, row))
+        return row
+
+    def _epoch_meta(self, b: Built, t: Training) -> dict[str, Any]:
+        """The run metadata of the epoch that just ended (the score file's meta columns)."""
+        import kit
+
+        p = self._progress
+        return {
+            # RETURNN's meaning: the global step at the epoch's start; its end under global_train_step_end
+            "global_train_step": p.epoch_start_global_step,
+            "global_train_step_end": p.global_train_step,
+            "effective_learning_rate": t.schedule.step_lr,
+            "epoch_num_train_steps": t.accounting.num_steps,
+            "epoch_train_time_secs": round(time.time() - self._epoch_start_time, 3),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "hostname": platform.node(),
+            "device": str(b.device),
+            "torch_version": torch.__version__,
+            "kit_version": kit.__version__,
+            "skipped_updates": p.skipped_updates_in_epoch,
+            "peak_memory_bytes": b.memory.peak_bytes(),
+        }
 
     def epoch_scores(self, epoch: int) -> dict[str, Any]:
         """``{"learning_rate": .., "train_loss_ce": .., "dev_loss_ce": .., ...}`` of one epoch."""
-        return {"learning_rate": self.built_scores.learning_rate(epoch), **self.built_scores.scores(epoch)}
+        table = self._built_parts().scores
+        return {"learning_rate": table.learning_rate(epoch), **table.scores(epoch)}
+
+    # ---- driver calls ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def driver_call(self) -> Iterator[None]:
+        """A driver's ``train_*`` call (or a time slice of one): the steps inside do not read the guard's
+        deferred flag; it is read when the outermost call ends (also when it raises: a bad step before the
+        error comes first). An interrupt leaves the flag for the next read."""
+        self._calls += 1
+        try:
+            yield
+        except Exception:
+            self._calls -= 1
+            if self._calls == 0:
+                self.read_guard()
+            raise
+        except BaseException:
+            self._calls -= 1
+            raise
+        self._calls -= 1
+        if self._calls == 0:
+            self.read_guard()
+
+    def read_guard(self) -> None:
+        """A read point of the guard's deferred flag (a rewind and the report when it is set)."""
+        if self._training is not None and self._training.guard.pending:
+            self._training.guard.read(self)
 
     def train_epoch(self, should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
         """The rest of the current epoch (or the next one) and its end work, through the loop;
         None when ``should_stop`` stopped it first, or when every epoch is trained."""
-        self.ensure_training_parts()
-        # the guard's flag (deferred mode) is read when the call ends, before run_end says how it ended
-        with self.loop.driven("epoch") as outcome, self.guard.deferred_reads():
+        self.prepare_training()
+        with self.loop.driven("epoch") as outcome, self.driver_call():
             while (unit := self.loop.next_unit()) is not None:
                 if isinstance(unit, EpochDone):
                     return unit.scores
@@ -383,117 +436,188 @@ class Engine:
 
     def train(self, should_stop: Callable[[], bool] | None = None) -> bool:
         """Train up to ``num_epochs`` through the loop; True when finished, False when ``should_stop`` paused it."""
-        self.ensure_training_parts()
-        with self.loop.driven("train") as outcome, self.guard.deferred_reads():
+        self.prepare_training()
+        with self.loop.driven("train") as outcome, self.driver_call():
             while self.loop.next_unit() is not None:
                 if should_stop is not None and should_stop() and not self.all_trained:
                     outcome.value = "paused"
                     return False
         return True
 
-    # ---- eval -------------------------------------------------------------------------
+    # ---- eval ---------------------------------------------------------------------------------
 
     def eval_datasets(self) -> dict[str, Any]:
-        return parts.eval_datasets(self.datasets)
+        return parts.eval_datasets(self._built_parts().datasets)
 
     def eval_model(self, datasets: Mapping[str, Any] | None = None) -> dict[str, dict[str, float]]:
         """Scores per eval dataset: ``train_step`` under no_grad with ``train_flag=False``.
 
-        Training RNG is saved and restored around it, so evaluating never changes what
-        training does next.
+        Training RNG is saved and restored around it, so evaluating never changes what training does next.
         """
-        self.setup()
+        b = self._built_parts()
         datasets = dict(self.eval_datasets() if datasets is None else datasets)
         if not datasets:
             return {}
-        self.events.emit("eval_begin", datasets=list(datasets))
-        rng, was_training = get_rng_state(), self.built_model.training
-        self.built_model.eval()
+        self.events.emit(EvalBegin(list(datasets)))
+        rng, was_training = RngState.capture(), b.model.training
+        b.model.eval()
         try:
             with torch.no_grad():
                 results = {}
                 for name, dataset in datasets.items():
-                    results[name], self._eval_errors[name] = evaluate_dataset(self, name, dataset)
+                    results[name], self._eval_errors[name] = evaluate_dataset(
+                        b, self.config, self._progress, name, dataset)
         finally:
-            set_rng_state(rng)
-            self.built_model.train(was_training)
-        self.events.emit("eval_end", scores=results)
+            rng.restore()
+            b.model.train(was_training)
+        self.events.emit(EvalEnd(results))
         return results
 
     def record_eval(self, epoch: int, results: dict[str, dict[str, float]]) -> None:
         """Put eval results of ``epoch`` into the score table (error scores marked as such)."""
         for name, scores in results.items():
-            self.built_scores.set_scores(epoch, scores, errors=self._eval_errors.get(name, set()))
+            self._built_parts().scores.set_scores(epoch, scores, errors=self._eval_errors.get(name, set()))
 
-    # ---- files ------------------------------------------------------------------------
+    # ---- the training state ---------------------------------------------------------------------
+
+    def capture(self, *, on_device: bool = False) -> TrainingState:
+        """A snapshot of the whole training state; :meth:`restore_state` puts it back bitwise. Its tensors
+        are copies on the CPU (what a checkpoint writes), or ``on_device`` where they are (a fast copy)."""
+        b, t = self._parts()
+        p = self._progress
+        copy = detached_copy if on_device else cpu_copy
+        updater = t.updater.state_dict()
+        optimizer = updater.pop("optimizer")
+        grads = {n: copy(prm.grad) for n, prm in b.model.named_parameters() if prm.grad is not None}
+        return TrainingState(
+            progress=p.copy(),
+            training_mode=b.model.training,
+            rng=RngState.capture(),
+            weights=copy(b.model.state_dict()),
+            optimizer=copy(optimizer),
+            updater=updater,
+            grad_scaler=copy(b.compute.grad_scaler.state_dict()) if b.compute.grad_scaler else None,
+            lr_control=cpu_copy(t.schedule.lr_control.state_dict()),
+            learning_rates=t.schedule.state_dict(),
+            pipeline=dict(t.pipeline.state_dict()) if p.epoch_running else None,
+            accounting=t.accounting.state_dict() if p.epoch_running else None,
+            grads=grads,
+            scores=b.scores.to_json(),
+        )
+
+    def restore_state(self, state: TrainingState, *, announce: bool = True) -> None:
+        """Put a :meth:`capture` (or a checkpoint's training state) back: weights (when it holds them),
+        optimizer, scaler, LR, data position, open window, RNG; ``restored`` tells the views. The score table
+        is not part of it: a rewind never crosses an epoch's end (the score table's own rows stay)."""
+        from kit import checkpoints
+
+        b, t = self._parts()
+        if state.weights is not None:
+            checkpoints.load_into_model(b.model, state.weights)
+        self._progress.move_to(state.progress)
+        p = self._progress
+        if state.optimizer is not None:
+            t.updater.load_state_dict({**(state.updater or {}), "optimizer": state.optimizer})
+        if state.grad_scaler is not None and b.compute.grad_scaler is not None:
+            b.compute.grad_scaler.load_state_dict(state.grad_scaler)
+            # GradScaler creates its scale tensor on the first scale() call; an open accumulation
+            # window may be unscaled (finished at the epoch end) before any step scales in this process
+            b.compute.grad_scaler.scale(torch.zeros((), device=b.device))
+        if state.lr_control is not None:
+            t.schedule.lr_control.load_state_dict(state.lr_control)
+        t.schedule.load_state_dict(state.learning_rates or {}, epoch_running=p.epoch_running)
+        t.accounting = EpochAccounting()
+        t.guard.forget()
+        if p.epoch_running:
+            t.pipeline.load_state_dict(state.pipeline or {})
+            if b.dist is None or b.dist.is_main:  # rank 0 saved the sums of all ranks
+                t.accounting.load_state_dict(state.accounting or {"totals": {}, "errors": [], "num_steps": 0},
+                                             b.device)
+            b.model.train()
+        params = dict(b.model.named_parameters())
+        for name, prm in params.items():
+            grad = (state.grads or {}).get(name)
+            prm.grad = None if grad is None else grad.to(prm.device, copy=True)
+        if state.training_mode is not None:
+            b.model.train(state.training_mode)
+        state.rng.restore()
+        if announce:
+            self.events.emit(Restored(p.copy()))
+
+    # ---- files ----------------------------------------------------------------------------------
 
     def save_scores(self) -> None:
         """Write the score file (rank 0 only: the others have no path)."""
-        if self.built_scores.path:
-            self.built_scores.save()
+        table = self._built_parts().scores
+        if table.path:
+            table.save()
 
-    def save_checkpoint(self, *, kind: str = "step", epoch: int | None = None) -> Any:
+    def save_checkpoint(self, *, kind: str = "step", epoch: int | None = None) -> Checkpoint:
         """Write a checkpoint of the whole training state now (epoch or mid-epoch step)."""
-        self.guard.check()  # never a checkpoint of a state the guard would rewind
-        if self.dist:  # rank 0 writes (mid-epoch with the loss sums of all ranks so far); the others wait
-            ckpt = self.dist.save_on_main(lambda: state.save(self, kind=kind, epoch=epoch),
-                                          self.accounting if self.progress.epoch_running else None)
+        b, _ = self._parts()
+        self.read_guard()  # never a checkpoint of a state the guard would rewind
+        p = self._progress
+
+        def write() -> Checkpoint:
+            return saving.save(self.config, self.capture(), kind=kind, epoch=epoch if epoch is not None else p.epoch,
+                               lock=self._lock)
+
+        if b.dist:  # rank 0 writes (mid-epoch with the loss sums of all ranks so far); the others wait
+            ckpt = b.dist.save_on_main(write, self._training.accounting if self._training and p.epoch_running else None)
         else:
-            ckpt = state.save(self, kind=kind, epoch=epoch)
-        self.last_checkpoint = ckpt
-        if not self.dist or self.dist.is_main:  # after every save, so that disk use stays bounded mid-epoch too
-            state.cleanup(self)
-        self.events.emit("checkpoint_saved", checkpoint=ckpt)
+            ckpt = write()
+        self._last_checkpoint = ckpt
+        if b.dist_is_main:  # after every save, so that disk use stays bounded mid-epoch too
+            saving.cleanup(self.config, b.scores, ckpt)
+        self.events.emit(CheckpointSaved(ckpt))
         return ckpt
 
-    def restore(self, ckpt: Any, loaded: tuple[dict, dict | None] | None = None) -> None:
-        """Rewind the whole training state (weights, optimizer, progress, data position, RNG, scores);
-        ``loaded``: ``ckpt``'s (model file, training state) if already loaded and verified."""
+    def cleanup_preview(self) -> list[Checkpoint]:
+        """What ``cleanup_old_models`` would remove now (nothing is removed)."""
+        return saving.cleanup(self.config, self.scores, self._last_checkpoint, dry_run=True)
+
+    def restore(self, ckpt: Checkpoint, loaded: tuple[dict, dict | None] | None = None) -> None:
+        """Rewind the whole training state to checkpoint ``ckpt`` (weights, optimizer, progress, data
+        position, RNG, scores); ``loaded``: its (model file, training state) if already loaded and verified."""
         from kit import checkpoints
 
-        self.ensure_training_parts()
+        b, _ = self._parts()
         model_file, saved = loaded or checkpoints.load_checkpoint(ckpt)
         if saved is None:
             raise KitError(f"checkpoint {ckpt.path} has no training state to restore; use load() to inspect it")
-        checkpoints.load_into_model(self.built_model, model_file["model"])
-        self.guard.reset()
-        self.accounting = EpochAccounting()
-        state.load_train_state(self, saved)
-        p = self.progress
-        self.built_scores.remove_epochs_after(p.epoch - 1)
-        if p.epoch_running:
-            self.built_scores.set_learning_rate(p.epoch, self.epoch_learning_rate)
+        state = TrainingState.from_file(saved, weights=model_file["model"], source=ckpt.path)
+        self.restore_state(state, announce=False)  # the score table keeps its rows; those after the checkpoint go
+        p = self._progress
+        b.scores.remove_epochs_after(p.epoch - 1)
+        if p.epoch_running and self._training is not None:
+            b.scores.set_learning_rate(p.epoch, self._training.schedule.epoch_lr)
         self.save_scores()
-        self.last_checkpoint = ckpt
+        self._last_checkpoint = ckpt
+        self.events.emit(Restored(p.copy()))
 
     def forward(self, data: Any, callback: Any = None, *, seq_indices: list[int] | None = None) -> Any:
         from kit.engine.forward import run_forward
 
-        self.setup()
-        return run_forward(self, data, callback, seq_indices=seq_indices)
+        return run_forward(self._built_parts(), self.config, self._progress, data, callback, seq_indices=seq_indices)
 
     def close(self) -> None:
         """Shut down data workers and drop the model and optimizer."""
-        if self.train_pipeline is not None:
-            self.built_pipeline.close()
-        self.train_pipeline = None
-        for view in self.views:
+        if self._training is not None:
+            self._training.pipeline.close()
+        for view in self._loggers:
             view.close()
-        self.views.clear()
-        self.model = self.updater = self.grad_scaler = None
-        if self.prefix_lock is not None:
-            self.prefix_lock.release()
-            self.prefix_lock = None
-        if self.dist:  # destroys the process group it created
-            self.dist.close()
-            self.dist = None
-        self.is_set_up = False
+        self._loggers.clear()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if self._built is not None and self._built.dist:  # destroys the process group it created
+            self._built.dist.close()
+        self._built = self._training = None
 
 
-_Part = TypeVar("_Part")
+def format_scores(scores: Mapping[str, float]) -> str:
+    return ", ".join(f"{k} {v:.4g}" for k, v in scores.items()) or "(no scores)"
 
 
-def _built(part: _Part | None, what: str) -> _Part:
-    if part is None:
-        raise KitError(f"the engine's {what} is not set up yet (Engine.setup / ensure_training_parts)")
-    return part
+def _many_devices(model: torch.nn.Module) -> bool:
+    return len({p.device for p in model.parameters()}) > 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kit.engine import compute
+from kit.config import Config
 from kit.engine.accounting import EpochAccounting, stack_losses
 from kit.engine.user_code import check_accepts_kwargs
 from kit.errors import ConfigError, DataError
@@ -16,20 +16,21 @@ from kit.run_ctx import RunCtx
 
 if TYPE_CHECKING:
     from kit.data.dataset import Dataset
-    from kit.engine.engine import Engine
+    from kit.engine.parts import Built
+    from kit.engine.progress import Progress
 
 
-def evaluate_dataset(engine: Engine, name: str, dataset: Dataset) -> tuple[dict[str, float], set[str]]:
+def evaluate_dataset(b: Built, config: Config, p: Progress, name: str,
+                     dataset: Dataset) -> tuple[dict[str, float], set[str]]:
     """``({"<name>_loss_<loss>": value}, error score keys)`` for one eval dataset (call under no_grad)."""
     from kit.data.pipeline import Pipeline
 
-    train_step = engine.config.typed_value("train_step")
+    train_step = config.typed_value("train_step")
     if train_step is None:
         raise ConfigError("config key 'train_step' is not set: eval runs train_step with train_flag=False")
     check_accepts_kwargs(train_step, "train_step")
-    make_pipeline = engine.dist.pipeline if engine.dist else Pipeline.from_config  # a rank's share
-    pipeline = make_pipeline(dataset, engine.config, train=False, extern_data=engine.extern_data)
-    p = engine.progress
+    make_pipeline = b.dist.pipeline if b.dist else Pipeline.from_config  # a rank's share
+    pipeline = make_pipeline(dataset, config, train=False, extern_data=b.extern_data)
     try:
         pipeline.set_epoch(max(1, p.epoch - (0 if p.epoch_running else 1)))
     except DataError as exc:  # say which eval dataset: the pipeline only knows the class
@@ -38,13 +39,12 @@ def evaluate_dataset(engine: Engine, name: str, dataset: Dataset) -> tuple[dict[
     try:
         for batch in pipeline:
             ctx = RunCtx("eval", train_flag=False, epoch=p.epoch, step=acc.num_steps)
-            batch_dev = batch.to(engine.built_device, non_blocking=True)
-            compute.run_user_step(engine, train_step, ctx, batch_dev, stage=f"eval of {name!r}")
+            b.compute.run_user_step(train_step, ctx, b.compute.to_device(batch), stage=f"eval of {name!r}")
             acc.add(stack_losses(ctx.losses))
     finally:
         pipeline.close()
-    if engine.dist:  # the sums of all ranks' shares
-        engine.dist.all_reduce_accounting(acc)
+    if b.dist:  # the sums of all ranks' shares
+        b.dist.all_reduce_accounting(acc)
     if acc.num_steps == 0:
         raise DataError(f"eval dataset {name!r} is empty (or every sequence was filtered out)")
     prefix = f"{name}_loss_"

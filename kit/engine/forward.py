@@ -15,16 +15,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kit.config import Config
 from kit.data.batch import Batch
-from kit.engine import compute
 from kit.engine.user_code import check_accepts_kwargs
 from kit.errors import ConfigError
-from kit.rng import get_rng_state, set_rng_state
+from kit.events import ForwardEnd
+from kit.rng import RngState
 from kit.run_ctx import RunCtx
 
 if TYPE_CHECKING:
     from kit.data.dataset import Dataset
-    from kit.engine.engine import Engine
+    from kit.engine.parts import Built
+    from kit.engine.progress import Progress
 
 
 class ForwardResult(Mapping[str, dict[str, np.ndarray]]):
@@ -90,48 +92,79 @@ def _cell(arr: np.ndarray) -> Any:
     return f"array{arr.shape} {arr.dtype}"
 
 
-def run_forward(engine: Engine, data: Dataset | Batch, callback: Any = None, *, seq_indices: list[int] | None = None) -> Any:
+def run_forward(b: Built, config: Config, progress: Progress, data: Dataset | Batch, callback: Any = None, *,
+                seq_indices: list[int] | None = None) -> Any:
     """Forward ``data`` (a dataset or a Batch), longest sequences first, outputs to ``callback``."""
-    forward_step = engine.config.typed_value("forward_step")
+    forward_step = config.typed_value("forward_step")
     if forward_step is None:
         raise ConfigError("config key 'forward_step' is not set: forward needs forward_step(*, model, extern_data, **kwargs)")
     check_accepts_kwargs(forward_step, "forward_step")
+    run = _Forward(b, config, forward_step, max(1, progress.epoch))
     result = callback if callback is not None else ForwardResult()
-    rng, was_training = get_rng_state(), engine.built_model.training
-    engine.built_model.eval()
+    rng, was_training = RngState.capture(), b.model.training
+    b.model.eval()
     try:
         with torch.no_grad():
-            result.init(model=engine.built_model)
-            for batch in _batches(engine, data, seq_indices):
-                _forward_batch(engine, forward_step, batch, result)
+            result.init(model=b.model)
+            for batch in run.batches(data, seq_indices):
+                run.batch(batch, result)
             result.finish()
     finally:
-        set_rng_state(rng)
-        engine.built_model.train(was_training)
-    engine.events.emit("forward_end", result=result)
+        rng.restore()
+        b.model.train(was_training)
+    b.compute.events.emit(ForwardEnd(result))
     return result if callback is None else None
 
 
-def _batches(engine: Engine, data: Dataset | Batch, seq_indices: list[int] | None) -> Iterator[Batch]:
-    if isinstance(data, Batch):
-        yield data
-        return
-    from kit.data.pipeline import Pipeline
+class _Forward:
+    """One forward run: its batches, and each batch through ``forward_step`` (split on a CUDA OOM)."""
 
-    # longest first: an OOM shows up at once, not after an hour; the user's dataset object is untouched
-    pipeline = Pipeline.from_config(
-        data,
-        engine.config,
-        train=False,
-        extern_data=_keys_of(engine.extern_data, data),
-        seq_ordering="sorted_reverse",
-        seq_indices=seq_indices,
-    )
-    pipeline.set_epoch(max(1, engine.progress.epoch))
-    try:
-        yield from pipeline
-    finally:
-        pipeline.close()
+    def __init__(self, b: Built, config: Config, forward_step: Any, epoch: int):
+        self.b, self.config, self.forward_step, self.epoch = b, config, forward_step, epoch
+
+    def batches(self, data: Dataset | Batch, seq_indices: list[int] | None) -> Iterator[Batch]:
+        if isinstance(data, Batch):
+            yield data
+            return
+        from kit.data.pipeline import Pipeline
+
+        # longest first: an OOM shows up at once, not after an hour; the user's dataset object is untouched
+        pipeline = Pipeline.from_config(data, self.config, train=False, extern_data=_keys_of(self.b.extern_data, data),
+                                        seq_ordering="sorted_reverse", seq_indices=seq_indices)
+        pipeline.set_epoch(self.epoch)
+        try:
+            yield from pipeline
+        finally:
+            pipeline.close()
+
+    def batch(self, batch: Batch, callback: Any) -> None:
+        """Run one batch; on CUDA OOM split it in halves (recursively) when allowed."""
+        try:
+            outputs = self.run(batch)
+        except torch.cuda.OutOfMemoryError:
+            if not self.config.bool("forward_auto_split_batch_on_oom") or batch.num_seqs <= 1:
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            half = batch.num_seqs // 2
+            self.batch(batch.select(slice(0, half)), callback)
+            self.batch(batch.select(slice(half, None)), callback)
+            return
+        _deliver(batch, outputs, callback)
+
+    def run(self, batch: Batch) -> dict[str, Any]:
+        ctx = RunCtx("forward", train_flag=False, epoch=self.epoch, step=batch.batch_idx,
+                     expected_outputs=self.config.typed_value("model_outputs"))
+        compute = self.b.compute
+        try:
+            compute.forward(self.forward_step, ctx, batch.to(self.b.device, non_blocking=True))
+            ctx.check_outputs()
+        except torch.cuda.OutOfMemoryError:  # not a user error: the caller splits the batch
+            raise
+        except Exception as exc:
+            compute.report_user_error(exc, stage="forward", batch=batch, rng=None)
+            raise
+        return dict(ctx.outputs)
 
 
 def _keys_of(extern_data: Any, data: Any) -> Any:
@@ -151,37 +184,6 @@ def _keys_of(extern_data: Any, data: Any) -> Any:
     subset = ExternData(extern_data)
     subset.specs = {k: spec for k, spec in subset.specs.items() if k in present}
     return subset
-
-
-def _forward_batch(engine: Engine, forward_step: Any, batch: Batch, callback: Any) -> None:
-    """Run one batch; on CUDA OOM split it in halves (recursively) when allowed."""
-    try:
-        outputs = _run(engine, forward_step, batch)
-    except torch.cuda.OutOfMemoryError:
-        if not engine.config.bool("forward_auto_split_batch_on_oom") or batch.num_seqs <= 1:
-            raise
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        half = batch.num_seqs // 2
-        _forward_batch(engine, forward_step, batch.select(slice(0, half)), callback)
-        _forward_batch(engine, forward_step, batch.select(slice(half, None)), callback)
-        return
-    _deliver(batch, outputs, callback)
-
-
-def _run(engine: Engine, forward_step: Any, batch: Batch) -> dict[str, Any]:
-    ctx = RunCtx("forward", train_flag=False, epoch=engine.progress.epoch, step=batch.batch_idx,
-                 expected_outputs=engine.config.typed_value("model_outputs"))
-    batch_dev = batch.to(engine.built_device, non_blocking=True)
-    try:
-        compute.forward(engine, forward_step, ctx, batch_dev)
-        ctx.check_outputs()
-    except torch.cuda.OutOfMemoryError:  # not a user error: the caller splits the batch
-        raise
-    except Exception as exc:
-        compute.report_user_error(engine, exc, stage="forward", batch=batch, rng=None)
-        raise
-    return dict(ctx.outputs)
 
 
 def _deliver(batch: Batch, outputs: dict[str, Any], callback: Any) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kit.engine.step import StepResult
+from kit.events import RunBegin, RunEnd, TrainBegin, TrainEnd
 
 if TYPE_CHECKING:
     from kit.engine.engine import Engine
@@ -59,7 +60,7 @@ class TrainingLoop:
             return None
         if not self.running:
             self.running = True
-            engine.events.emit("train_begin")
+            engine.events.emit(TrainBegin())
         result = engine.train_step()
         if result is not None:
             return StepDone(result)
@@ -76,19 +77,19 @@ class TrainingLoop:
     def _end(self) -> None:
         if self.running:
             self.running = False
-            self.engine.events.emit("train_end")
+            self.engine.events.emit(TrainEnd())
 
     @contextlib.contextmanager
     def driven(self, goal: str) -> Iterator[RunOutcome]:
         """One driver's run: ``run_begin`` now, ``run_end`` when the block is left (``failed`` when it raises)."""
         outcome = RunOutcome()
-        self.engine.events.emit("run_begin", goal=goal)
+        self.engine.events.emit(RunBegin(goal))
         try:
             yield outcome
         except BaseException as exc:
-            self.engine.events.emit("run_end", outcome="failed", error=exc)
+            self.engine.events.emit(RunEnd("failed", exc))
             raise
-        self.engine.events.emit("run_end", outcome=outcome.value, error=None)
+        self.engine.events.emit(RunEnd(outcome.value, None))
 
 
 class RunOutcome:

@@ -1,4 +1,5 @@
-"""The parts a config names, built once per engine: datasets, ``extern_data`` and the score table.
+"""The parts a config names, built once per engine (datasets, ``extern_data``, the score table, the model),
+and the containers the engine hands its collaborators (:class:`Built`, :class:`Training`).
 
 Datasets are keyed by their config key (``train``, ``dev``, ``eval``) and
 ``eval_datasets.<name>``; :func:`eval_datasets` gives the name → dataset map of the
@@ -8,14 +9,29 @@ datasets evaluated after each epoch.
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kit.config import Config
+from kit.engine.accounting import EpochAccounting
 from kit.engine.user_code import call_user
 from kit.errors import ConfigError
 from kit.rng import model_init_seed, seed_all
+
+if TYPE_CHECKING:
+    from kit.data.batch import Batch
+    from kit.data.extern_data import ExternData
+    from kit.data.pipeline import Pipeline
+    from kit.engine.compute import Compute
+    from kit.engine.distributed import DistributedContext
+    from kit.engine.guard import NonFiniteGuard
+    from kit.engine.memory import MemoryMeter
+    from kit.engine.schedule import Schedule
+    from kit.engine.updater import Updater
+    from kit.rng import RngState
+    from kit.scores import ScoreTable
 
 
 def build_datasets(config: Config) -> dict[str, Any]:
@@ -85,3 +101,38 @@ def create_model(config: Config, device: torch.device, epoch: int, step: int) ->
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"config key 'get_model': returned {type(model).__name__}, expected a torch.nn.Module")
     return model.to(device)
+
+
+# ---- the engine's parts, as its collaborators receive them -------------------------------------
+
+
+@dataclass
+class Built:
+    """What the engine's set-up builds, for every task (train, eval, forward)."""
+
+    device: torch.device
+    dist: DistributedContext | None
+    memory: MemoryMeter
+    datasets: dict[str, Any]
+    extern_data: ExternData | None
+    scores: ScoreTable
+    model: torch.nn.Module
+    compute: Compute
+
+    @property
+    def dist_is_main(self) -> bool:
+        """This process writes the files (the only one, or rank 0 under torchrun)."""
+        return self.dist is None or self.dist.is_main
+
+
+@dataclass
+class Training:
+    """What training adds to :class:`Built`; the running epoch's loss sums and the last step's batch and RNG."""
+
+    updater: Updater
+    schedule: Schedule
+    pipeline: Pipeline
+    guard: NonFiniteGuard
+    accounting: EpochAccounting = field(default_factory=EpochAccounting)
+    last_batch: Batch | None = None  # a reference only: a break point's context reads it
+    step_rng: RngState | None = None  # torch's RNG before the last step's user code (when a debugger may replay)

@@ -30,7 +30,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -40,9 +40,6 @@ from kit.compat.returnn_run import returnn_start
 from kit.config import Config
 from kit.engine.parts import eval_datasets
 from kit.errors import CheckpointError, ConfigError
-
-if TYPE_CHECKING:
-    from kit.engine.engine import Engine
 
 logger = logging.getLogger("kit")
 
@@ -67,11 +64,6 @@ class Start:
 
 def can_train(config: Config) -> bool:
     return config.typed_value("train") is not None and config.typed_value("train_step") is not None
-
-
-def is_training(engine: Engine) -> bool:
-    """RETURNN's ``task == "train"``: the engine trains (not only eval / forward)."""
-    return getattr(engine, "task", "train") == "train" and can_train(engine.config)
 
 
 def find_start(config: Config, scores: Any, *, training: bool | None = None) -> Start:
@@ -289,19 +281,17 @@ def _eval_keys(config: Config) -> list[str]:
 # ---- weights ----------------------------------------------------------------------------
 
 
-def init_weights(engine: Engine, start: Start) -> None:
+def init_weights(config: Config, model: torch.nn.Module, start: Start, *, training: bool) -> None:
     """Copy the start weights into the fresh model, then preload and run the post-load hooks.
 
     As in RETURNN, the weights may miss keys that a ``preload_from_files`` entry fills;
     whatever is still missing afterwards is an error listing the keys.
     """
-    config, model = engine.config, engine.built_model
     state, what = start.model_state, start.source
     if start.import_path is not None:
         model_file = checkpoints.load(start.import_path)
         state = model_file.get("model", model_file) if isinstance(model_file, dict) else model_file
         logger.info("initialized epoch 1 from %s (import_model_train_epoch1)", start.import_path)
-    training = is_training(engine)
     preload = {
         name: opts
         for name, opts in (config.typed_value("preload_from_files") or {}).items()
@@ -352,19 +342,29 @@ def warn_config_changes(config: Config, start: Start) -> None:
                        start.checkpoint.name, ", ".join(changed))
 
 
-def resume_plan(engine: Engine) -> str | None:
+def resume_plan(config: Config, final_epoch: int) -> str | None:
     """Before set-up: where training will continue ("will resume from model.002, epoch 3"), read from the
     newest complete checkpoint's name (nothing is built, loaded or verified); None when it starts fresh."""
-    from kit.checkpoints import list_checkpoints
-
-    prefix = engine.model_prefix
-    if engine.is_set_up or not prefix or engine.config.typed_value("start_epoch") not in ("auto", None):
-        return None
-    newest = next((c for c in reversed(list_checkpoints(prefix)) if c.complete), None)
+    newest = newest_complete(config)
     if newest is None:
         return None
-    if newest.kind == "epoch" and newest.epoch >= engine.final_epoch:
-        return f"trained to epoch {newest.epoch} (num_epochs={engine.final_epoch}), from {newest.name}"
-    epoch = newest.epoch + 1 if newest.kind == "epoch" else newest.epoch
-    step = f", global step {newest.global_train_step}" if newest.kind == "step" else ""
-    return f"will resume from {newest.name}, epoch {epoch}{step}"
+    if newest.kind == "epoch" and newest.epoch >= final_epoch:
+        return f"trained to epoch {newest.epoch} (num_epochs={final_epoch}), from {newest.name}"
+    epoch, step = planned_position(newest)
+    return f"will resume from {newest.name}, epoch {epoch}" + (f", global step {step}" if newest.kind == "step" else "")
+
+
+def newest_complete(config: Config) -> Any:
+    """The newest complete checkpoint under ``model`` that a training start would continue from (by its
+    name: nothing is loaded); None when training would start fresh."""
+    from kit.checkpoints import list_checkpoints
+
+    prefix = config.typed_value("model")
+    if not prefix or config.typed_value("start_epoch") not in ("auto", None):
+        return None
+    return next((c for c in reversed(list_checkpoints(prefix)) if c.complete), None)
+
+
+def planned_position(ckpt: Any) -> tuple[int, int]:
+    """(epoch, global train step) where training continues after checkpoint ``ckpt``."""
+    return (ckpt.epoch + 1 if ckpt.kind == "epoch" else ckpt.epoch), int(ckpt.global_train_step or 0)

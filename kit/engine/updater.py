@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from kit.config import Config
-from kit.engine import optimizer_calls
 from kit.engine.optimizer_check import (  # noqa: F401 - resolve_* and optimizer_classes: public here too
     check_optimizer,
     optimizer_classes,
@@ -237,12 +236,11 @@ class Updater:
         return norm
 
     def optimizer_step(self) -> None:
-        """``optimizer.step()``, without torch's profiler range where nothing can tell (:mod:`kit.engine.optimizer_calls`)."""
-        optimizer_calls.step(self.optimizer)
+        self.optimizer.step()
 
     def zero_grad(self) -> None:
-        """Every gradient to None, as ``optimizer.zero_grad()`` does (:mod:`kit.engine.optimizer_calls`)."""
-        optimizer_calls.zero_grad(self.optimizer)
+        """Every gradient to None (a new accumulation window)."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     # ---- state --------------------------------------------------------------------------
 

@@ -9,7 +9,10 @@ the per-step history (:mod:`~kit.session.history`), the checkpoint browser
 (:mod:`~kit.session.ipython_refs`).
 """
 
-from kit.session.facade import Session, UnknownSeqTagError
-from kit.session.loop import Paused
+from kit.session.facade import Session, SessionInfo, UnknownSeqTagError
+from kit.session.lifecycle import Status, StatusLine
+from kit.session.result import TrainResult
 
-__all__ = ["Paused", "Session", "UnknownSeqTagError"]
+Paused = TrainResult  # the old name of a paused call's result (every train call returns a TrainResult now)
+
+__all__ = ["Paused", "Session", "SessionInfo", "Status", "StatusLine", "TrainResult", "UnknownSeqTagError"]

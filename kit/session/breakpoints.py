@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kit.engine.debugging import DebugContext, Debugger, Hook
+from kit.engine.debugging import DebugContext, Hook
 from kit.engine.step import StepResult
 from kit.errors import SessionStateError
 
@@ -27,8 +27,7 @@ class Breakpoints:
         self.step: int | None = None
         self.when: Callable[[StepResult], bool] | None = None
         self.last_failure: DebugContext | None = None
-        self.debugger = Debugger(engine, hook_getter, self.keep)
-        engine.debugger = self.debugger
+        self.debugger = engine.attach_debugger(hook_getter, self.keep)
 
     def keep(self, ctx: DebugContext) -> None:
         """Where :func:`kit.debug.capture` puts a context: ``session.last_failure``."""
@@ -46,7 +45,8 @@ class Breakpoints:
 
     def stop_here(self, result: StepResult) -> DebugContext:
         """The context of the step that just ran, shown to the hook (RNG states put back afterwards)."""
-        ctx = self.debugger.context("step", batch=self.engine.last_batch, step_losses=result.step_losses, rng=None)
+        ctx = self.debugger.context("step", batch=self.engine.last_batch, step_losses=result.step_losses,
+                                    rng=self.engine.last_step_rng)
         self.debugger.call_hook(ctx)  # a hook never changes training
         self.last_failure = ctx
         return ctx

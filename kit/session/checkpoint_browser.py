@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit import checkpoints
-from kit.engine import state as engine_state
 from kit.errors import CheckpointError, CorruptCheckpointError, SessionStateError
 
 if TYPE_CHECKING:
     from kit.session.facade import Session
+    from kit.session.parts import SessionParts
 
 # verification hashes whole files: remember results per (path, size, mtime)
 _VERIFIED: dict[tuple, bool] = {}
@@ -39,8 +39,8 @@ TABLE_COLUMNS = ("name", "kind", "epoch", "global_train_step", "path", "size_mb"
 class CheckpointBrowser:
     """``session.checkpoints``: the checkpoint files under the session's ``model`` prefix."""
 
-    def __init__(self, session: Session):
-        self._session = session
+    def __init__(self, session: Session, parts: SessionParts):
+        self._session, self._parts = session, parts
         self.prefix: str = session.config.typed_value("model") or ""
 
     # ---- listing ------------------------------------------------------------------------
@@ -91,10 +91,10 @@ class CheckpointBrowser:
         """DataFrame: :attr:`table` plus each checkpoint's path, size (MB), time and cleanup preview."""
         import pandas as pd
 
-        scores = self._session.score_table
+        scores = self._session.info().score_table
         ckpts = self.list()
         # the cleanup each epoch end runs, as a dry run: same scores, same protection
-        would_remove = {c.path for c in engine_state.cleanup(self._session.engine, dry_run=True)} if ckpts else set()
+        would_remove = {c.path for c in self._parts.cleanup_preview()} if ckpts else set()
         rows = []
         for c in ckpts:
             row = {"name": c.name, "kind": c.kind, "epoch": c.epoch, "global_train_step": c.global_train_step,
@@ -102,7 +102,7 @@ class CheckpointBrowser:
                    "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.mtime)) if c.mtime else None,
                    "complete": c.complete, "verified": c.complete and self.verified(c),
                    "would_remove": c.path in would_remove}
-            if c.kind == "epoch" and c.epoch in scores.epochs:
+            if c.kind == "epoch" and scores is not None and c.epoch in scores.epochs:
                 row.update(scores.scores(c.epoch))
             rows.append(row)
         frame = pd.DataFrame(rows, columns=None if rows else list(TABLE_COLUMNS))  # empty: the columns stay
@@ -117,16 +117,21 @@ class CheckpointBrowser:
         """Put a checkpoint's weights into the model for inspection; training state untouched."""
         ckpt = self._usable(which)
         model_file, _ = checkpoints.load_checkpoint(ckpt, load_train_state=False)
-        self._session.inspect(ckpt.name, model_file["model"])
+        self._parts.inspect(ckpt.name, model_file["model"])
         print(f"loaded the weights of {ckpt.name} for inspection; training state untouched. "
-              "train_* refuses until session.checkpoints.restore(...) or session.reload_latest()")
+              "train_* refuses until session.checkpoints.restore(...) or session.checkpoints.reload_latest()")
         return ckpt
 
     def restore(self, which: Any) -> checkpoints.Checkpoint:
         """Rewind the whole training state (weights, optimizer, progress, data, RNG, scores)."""
         ckpt = self._usable(which)
-        self._session.restore(ckpt)
+        self._parts.restore(ckpt)
         return ckpt
+
+    def reload_latest(self) -> None:
+        """Leave inspection: put back the training state from before :meth:`load`, or (when there is none in
+        memory) restore the newest complete checkpoint."""
+        self._parts.reload_latest()
 
     def _usable(self, which: Any) -> checkpoints.Checkpoint:
         ckpt = self.find(which)
@@ -142,7 +147,7 @@ class CheckpointBrowser:
 
     def delete(self, which: Any) -> None:
         ckpt = self.find(which)
-        last = self._session.last_checkpoint
+        last = self._session.info().last_checkpoint
         if last is not None and ckpt.path == last.path:
             raise SessionStateError(f"{ckpt.name} is the session's newest checkpoint; it is kept")
         checkpoints.delete(ckpt)
@@ -151,7 +156,7 @@ class CheckpointBrowser:
 
     def weights(self, which: Any) -> dict[str, torch.Tensor]:
         if which == "current":
-            return {k: v.detach().cpu() for k, v in self._session.model.state_dict().items()}
+            return {k: v.detach().cpu() for k, v in self._parts.model().state_dict().items()}
         model_file, _ = checkpoints.load_checkpoint(self._usable(which), load_train_state=False)
         return model_file["model"]
 
@@ -179,7 +184,7 @@ class CheckpointBrowser:
 
     def _compare_outputs(self, wa: dict, wb: dict, batch: Any) -> dict[str, float]:
         session = self._session
-        model = session.model
+        model = self._parts.model()
         live = {k: v.detach().clone() for k, v in model.state_dict().items()}
         outs = []
         try:

@@ -1,27 +1,27 @@
 """``Session``: train, pause, look, change your mind and continue — one object, never stale.
 
 >>> session = kit.Session(get_model=..., train_step=..., train=ds, num_epochs=5)  # doctest: +SKIP
->>> session.train_step()       # one step → StepResult
+>>> session.train_step()       # one step → TrainResult
 >>> session.train_steps(100)   # continues where the last call stopped
->>> session.train_epoch()      # rest of the epoch, eval, checkpoint → scores
+>>> session.train_epoch()      # rest of the epoch, eval, checkpoint → TrainResult with the scores
 
-The facade over objects it owns: the engine (whose loop every call steps through, as the
-CLI does), the loop driver (:mod:`kit.session.loop`), the break points and debugger
-(:mod:`kit.session.breakpoints`), the lifecycle (:mod:`kit.session.lifecycle`: status, inspection), the world of RNG
-states and torch defaults (:mod:`kit.session.world`) and the per-step history
-(:mod:`kit.session.history`). Views read it through the typed properties below and its
-events, never through the engine.
+The facade over parts it owns (:class:`~kit.session.parts.SessionParts`): the engine (whose loop
+every call steps through, as the CLI does), the loop driver (:mod:`kit.session.loop`), the break
+points and debugger (:mod:`kit.session.breakpoints`), the lifecycle (:mod:`kit.session.lifecycle`),
+the world of RNG states and torch defaults (:mod:`kit.session.world`) and the per-step history
+(:mod:`kit.session.history`). Properties never build anything: the model and optimizer are built
+by :meth:`Session.setup` or the first train call. Views read a session through :meth:`Session.info`
+and its events.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import gc
-import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,17 +31,18 @@ from kit.engine.debugging import DebugContext, Hook
 from kit.engine.engine import Engine
 from kit.engine.memory import MemoryFigures
 from kit.engine.progress import Progress
-from kit.engine.start import resume_plan
-from kit.engine.step import StepResult
-from kit.errors import ConfigError, SessionStateError
-from kit.events import Events
+from kit.engine.start import newest_complete, planned_position, resume_plan
+from kit.errors import SessionStateError
+from kit.events import Event, Events
 from kit.scores import ScoreTable
 from kit.session import inference
 from kit.session.breakpoints import Breakpoints
 from kit.session.history import History
 from kit.session.ipython_refs import drop_references_to
-from kit.session.lifecycle import SessionState, Status
-from kit.session.loop import LoopDriver, Paused, check_n
+from kit.session.lifecycle import SessionState, Status, StatusLine
+from kit.session.loop import LoopDriver, check_n
+from kit.session.parts import SessionParts
+from kit.session.result import TrainResult
 from kit.session.seq_tags import UnknownSeqTagError
 from kit.session.views import SessionViews
 from kit.session.world import World
@@ -51,9 +52,26 @@ if TYPE_CHECKING:
     from kit.debug.replay_step import ReplayReport
     from kit.session.checkpoint_browser import CheckpointBrowser
 
-__all__ = ["Paused", "Session", "Status", "UnknownSeqTagError"]
+__all__ = ["Session", "SessionInfo", "Status", "TrainResult", "UnknownSeqTagError"]
 
-logger = logging.getLogger("kit")
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What a view shows of a session, read at one moment; building it builds nothing."""
+
+    status: StatusLine
+    progress: Progress  # a copy: where training stands (before set-up: where it will resume)
+    final_epoch: int
+    resume_plan: str | None  # before set-up: "will resume from model.002, epoch 3"; None once set up
+    model_class: str | None
+    num_parameters: int | None
+    device: torch.device | None
+    learning_rate: float | None
+    memory: MemoryFigures | None
+    score_table: ScoreTable | None
+    history: History  # the per-step store (views read its rows; never write them)
+    last_checkpoint: Checkpoint | None
+    yield_every_secs: float
 
 
 class Session:
@@ -62,7 +80,7 @@ class Session:
     ``Session(**config_keys)``, ``Session(config)`` and ``Session(config=config)`` are the
     same; keyword arguments next to a ``config`` override its keys (the given Config is
     copied, never changed). Construction is cheap: the model, optimizer, data workers and
-    device memory are created on first use.
+    device memory are created by :meth:`setup` or the first train call.
 
     Args:
         config: a :class:`Config` (or mapping of config keys).
@@ -70,10 +88,11 @@ class Session:
             notebook, each train call shows a one-line live progress (unless a dashboard of this
             session is open); ``False``: show nothing. A train call's ``live=`` overrides it.
         history_max_rows: bound of :attr:`history`; beyond it older steps are thinned out.
+        yield_every_secs: the awaitable calls yield to the kernel at most this often.
     """
 
     def __init__(self, config: Config | Mapping[str, Any] | None = None, *, live: bool | None = None,
-                 history_max_rows: int = 100_000, **kwargs: Any):
+                 history_max_rows: int = 100_000, yield_every_secs: float = 0.05, **kwargs: Any):
         if isinstance(config, Config):
             self.config = config.copy().update(kwargs)
         elif config is None or isinstance(config, Mapping):
@@ -83,188 +102,122 @@ class Session:
                             f"{type(config).__name__}; for a config file use kit.Session.from_config(path)")
         from kit import debug
 
-        self.events = Events()
-        self.engine = Engine(self.config, events=self.events)
-        self.history_store = History(max_rows=history_max_rows)  # the one per-step store; views read it
-        self.history_store.subscribe(self.events)
-        self.history_store.memory_source = self.engine.memory_now  # None until the engine is set up
-        self.live = live
-        self.views = SessionViews(self)  # the dashboard or progress line a train call shows
+        events = Events()
+        engine = Engine(self.config, events=events)
+        history = History(max_rows=history_max_rows)  # the one per-step store; views read it
+        history.subscribe(events)
+        history.memory_source = engine.memory_now  # None until the engine is set up
         # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
         self.debug_hook: Hook | None = self.config.typed_value("debug_hook") or debug.capture
-        self.breakpoints = Breakpoints(self.engine, lambda: self.debug_hook)
-        self.driver = LoopDriver(self)
-        self.lifecycle = SessionState()
-        self.world = World()  # this session's RNG states and torch defaults, swapped in around its work
+        self._parts = SessionParts(self.config, events, engine, history, SessionViews(self, live), SessionState(),
+                                   World(), Breakpoints(engine, lambda: self.debug_hook))
+        self._driver = LoopDriver(self._parts, yield_every_secs)
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, /, **overrides: Any) -> Session:
         """A session from a RETURNN-style config file; keyword arguments override its keys."""
-        options = {k: overrides.pop(k) for k in ("live", "history_max_rows") if k in overrides}
+        options = {k: overrides.pop(k) for k in ("live", "history_max_rows", "yield_every_secs") if k in overrides}
         return cls(Config.from_file(path, **overrides), **options)
 
-    # ---- the session's world ----------------------------------------------------------
-
-    def entered(self) -> contextlib.AbstractContextManager[None]:
-        """This session's RNG states and torch defaults in, the caller's back afterwards (:mod:`kit.session.world`)."""
-        if self.lifecycle.status is Status.CLOSED:
-            raise SessionStateError("this session is closed; create a new one")
-        return self.world.entered()
-
     def setup(self) -> None:
-        """Device, datasets, score table and model (resumed or fresh); cheap once done."""
-        with self.entered():
-            self.engine.setup()
+        """Build device, datasets, score table and model (resumed or fresh), optimizer and train pipeline
+        now (the first train call does it otherwise); cheap once done."""
+        engine = self._parts.engine
+        if engine.training:
+            self._parts.prepare_training()
+        else:
+            self._parts.setup()
 
-    def ensure_training_parts(self) -> None:
-        """:meth:`setup`, then the optimizer, LR control and train pipeline."""
-        with self.entered():
-            self.engine.ensure_training_parts()
-
-    # ---- position and parts (built on first use) --------------------------------------
-
-    @property
-    def model(self) -> torch.nn.Module:
-        """The user's model (what ``get_model`` returned)."""
-        self.setup()
-        return self.engine.built_model
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        self.ensure_training_parts()
-        return self.engine.built_updater.optimizer
-
-    @property
-    def epoch(self) -> int:
-        """The epoch being trained, or the next one when none is running."""
-        self.setup()
-        return self.engine.progress.epoch
-
-    @property
-    def global_train_step(self) -> int:
-        """Train steps (micro-batches) done so far."""
-        self.setup()
-        return self.engine.progress.global_train_step
-
-    @property
-    def step_in_epoch(self) -> int:
-        self.setup()
-        return self.engine.progress.step_in_epoch
+    # ---- where it stands (reads only) ---------------------------------------------------------
 
     @property
     def progress(self) -> Progress:
-        """The engine's live counters (where training stands)."""
-        self.setup()
-        return self.engine.progress
+        """Where training stands (a copy). Before set-up: where training will resume, from the newest
+        checkpoint's name (nothing is loaded), or epoch 1."""
+        engine = self._parts.engine
+        if not engine.is_set_up and (newest := newest_complete(self.config)) is not None:
+            epoch, step = planned_position(newest)
+            return Progress.starting_at(epoch, step)
+        return engine.progress.copy()
 
     @property
-    def device(self) -> torch.device:
-        self.setup()
-        return self.engine.built_device
+    def status(self) -> StatusLine:
+        """What the session does, as a line (``"ready"``, ``"error: RuntimeError: ..."``); ``.kind`` is the
+        :class:`Status` enum views switch on."""
+        return self._parts.lifecycle.line
 
     @property
-    def learning_rate(self) -> float:
-        self.ensure_training_parts()
-        return self.engine.built_updater.learning_rate
-
-    # ---- what views read (no side effects: nothing is built) ----------------------------
-
-    def progress_snapshot(self) -> Progress:
-        """A copy of the counters now (resumed position only after set-up)."""
-        return dataclasses.replace(self.engine.progress)
+    def engine(self) -> Engine:
+        """The engine core this session drives (its public, read-only API), for tools beyond the notebook's."""
+        return self._parts.engine
 
     @property
-    def current_learning_rate(self) -> float | None:
-        """The optimizer's learning rate; None before it exists."""
-        return self.engine.learning_rate
+    def model(self) -> torch.nn.Module:
+        """The user's model (what ``get_model`` returned), once built (:meth:`setup` or a train call)."""
+        model = self._parts.engine.model
+        if model is None:
+            raise SessionStateError("the model is not built yet: call session.setup() or a train call first")
+        return model
 
     @property
-    def num_parameters(self) -> int | None:
-        """Parameter elements of the model; None before it is built."""
-        return self.engine.num_parameters
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer, once built (:meth:`setup` or a train call)."""
+        optimizer = self._parts.engine.optimizer
+        if optimizer is None:
+            raise SessionStateError("the optimizer is not built yet: call session.setup() or a train call first")
+        return optimizer
 
-    @property
-    def model_class(self) -> str | None:
-        return type(self.engine.model).__name__ if self.engine.model is not None else None
-
-    @property
-    def device_if_set_up(self) -> torch.device | None:
-        return self.engine.device if self.engine.is_set_up else None
-
-    @property
-    def score_table_if_set_up(self) -> ScoreTable | None:
-        return self.engine.scores
-
-    def memory(self) -> MemoryFigures | None:
-        """Memory figures now, from the engine's meter (None before set-up)."""
-        return self.engine.memory_now()
-
-    @property
-    def final_epoch(self) -> int:
-        """The last epoch ``train()`` goes to (``num_epochs``, or as ``extend`` / ``train(n)`` moved it)."""
-        return self.engine.final_epoch
-
-    @property
-    def state(self) -> Status:
-        """What the session does, as an enum (what views switch on)."""
-        return self.lifecycle.status
-
-    @property
-    def status(self) -> str:
-        """What the session does, as a line (``"ready"``, ``"error: RuntimeError: ..."``, ``"inspecting model.003"``)."""
-        return self.lifecycle.text
-
-    @property
-    def last_checkpoint(self) -> Checkpoint | None:
-        return self.engine.last_checkpoint
-
-    @property
-    def last_failure(self) -> DebugContext | None:
-        """The last failure or break point the debug hook kept (:func:`kit.debug.capture`)."""
-        return self.breakpoints.last_failure
-
-    @last_failure.setter
-    def last_failure(self, ctx: DebugContext | None) -> None:
-        self.breakpoints.last_failure = ctx
+    def info(self) -> SessionInfo:
+        """Everything a view shows, read now (nothing is built)."""
+        parts = self._parts
+        engine = parts.engine
+        model = engine.model
+        return SessionInfo(
+            status=self.status, progress=self.progress, final_epoch=engine.final_epoch,
+            resume_plan=None if engine.is_set_up else resume_plan(self.config, engine.final_epoch),
+            model_class=type(model).__name__ if model is not None else None,
+            num_parameters=engine.num_parameters, device=engine.device, learning_rate=engine.learning_rate,
+            memory=engine.memory_now(), score_table=engine.scores, history=parts.history,
+            last_checkpoint=engine.last_checkpoint, yield_every_secs=self._driver.yield_every_secs)
 
     # ---- training -----------------------------------------------------------------------
 
-    def train_step(self) -> StepResult | Paused | DebugContext | None:
+    def train_step(self) -> TrainResult:
         """One step of the current epoch (rolling into the next epoch when this one is done)."""
-        # no progress line for one step (a dashboard still shows it when ``live=True``)
-        return self.driver.run("steps", 1, live=bool(self.live))
+        # no progress line for one step (a dashboard still shows it when the session is ``live=True``)
+        return self._driver.run("steps", 1, live=bool(self._parts.views.live))
 
-    def train_steps(self, n: int) -> StepResult | Paused | DebugContext | None:
-        """``n`` more steps, continuing where the last call stopped; returns the last StepResult."""
-        return self.driver.run("steps", check_n(n), live=None)
+    def train_steps(self, n: int) -> TrainResult:
+        """``n`` more steps, continuing where the last call stopped."""
+        return self._driver.run("steps", check_n(n), live=None)
 
-    def train_epoch(self, *, live: bool | None = None) -> Any:
+    def train_epoch(self, *, live: bool | None = None) -> TrainResult:
         """Finish the current epoch (or train the next one): steps, scores, eval, checkpoint, LR."""
-        return self.driver.run("epoch", live=live)
+        return self._driver.run("epoch", live=live)
 
-    def train(self, num_epochs: int | None = None, *, live: bool | None = None) -> Any:
-        """Train up to epoch ``num_epochs`` (default: the config's); returns the last epoch's scores.
+    def train(self, num_epochs: int | None = None, *, live: bool | None = None) -> TrainResult:
+        """Train up to epoch ``num_epochs`` (default: the config's); the result holds the last epoch's scores.
 
         ``num_epochs`` becomes the final epoch, raised or lowered; it cannot be below an
         epoch that is already trained or running.
         """
         if num_epochs is not None:
-            self.driver.set_final_epoch(num_epochs, lower_ok=True)
-        return self.driver.run("train", live=live)
+            self._driver.set_final_epoch(num_epochs, lower_ok=True)
+        return self._driver.run("train", live=live)
 
-    async def train_steps_async(self, n: int) -> Any:
-        """Like :meth:`train_steps`, yielding to the event loop between steps (Pause button works)."""
-        return await self.driver.run_async("steps", check_n(n), live=None)
+    async def train_steps_async(self, n: int) -> TrainResult:
+        """Like :meth:`train_steps`, yielding to the event loop between steps (the Pause button works)."""
+        return await self._driver.run_async("steps", check_n(n), live=None)
 
-    async def train_epoch_async(self, *, live: bool | None = None) -> Any:
+    async def train_epoch_async(self, *, live: bool | None = None) -> TrainResult:
         """Like :meth:`train_epoch`; ``await`` it in a notebook cell so widgets stay responsive."""
-        return await self.driver.run_async("epoch", live=live)
+        return await self._driver.run_async("epoch", live=live)
 
-    async def train_async(self, num_epochs: int | None = None, *, live: bool | None = None) -> Any:
+    async def train_async(self, num_epochs: int | None = None, *, live: bool | None = None) -> TrainResult:
         """Like :meth:`train`; ``await session.train_async()`` keeps the kernel responsive."""
         if num_epochs is not None:
-            self.driver.set_final_epoch(num_epochs, lower_ok=True)
-        return await self.driver.run_async("train", live=live)
+            self._driver.set_final_epoch(num_epochs, lower_ok=True)
+        return await self._driver.run_async("train", live=live)
 
     def train_in_background(self, goal: str = "train", n: int = 1, *, live: bool | None = None) -> threading.Thread:
         """Train in a thread (goal ``"train"``, ``"epoch"`` or ``"steps"``); the cell returns at once.
@@ -273,94 +226,64 @@ class Session:
         returns the result (or raises the error). Do not step other sessions meanwhile:
         global RNG states are process-wide.
         """
-        return self.driver.start_background(goal, check_n(n) if goal == "steps" else 0, live=live)
+        return self._driver.start_background(goal, check_n(n) if goal == "steps" else 0, live=live)
 
-    def wait(self, timeout: float | None = None) -> Any:
-        """Wait for :meth:`train_in_background`; returns its result or raises its error."""
-        return self.driver.wait(timeout)
+    def wait(self, timeout: float | None = None) -> TrainResult | None:
+        """Wait for :meth:`train_in_background`; returns its result or raises its error (None: still running)."""
+        return self._driver.wait(timeout)
 
     def pause(self) -> None:
         """Stop the running train_* call at the next step boundary (e.g. from a button)."""
-        self.driver.guard.request("pause requested")
-
-    @property
-    def is_training(self) -> bool:
-        return self.lifecycle.status is Status.RUNNING
-
-    @property
-    def yield_every_secs(self) -> float:
-        """The async variants yield to the kernel at most this often."""
-        return self.driver.yield_every_secs
-
-    @yield_every_secs.setter
-    def yield_every_secs(self, secs: float) -> None:
-        self.driver.yield_every_secs = secs
+        self._driver.guard.request("pause requested")
 
     def extend(self, num_epochs: int) -> None:
         """Raise the final epoch without resetting LR control or history; ``train()`` goes on to it."""
-        self.driver.set_final_epoch(num_epochs, lower_ok=False)
+        self._driver.set_final_epoch(num_epochs, lower_ok=False)
 
     # ---- debugging ----------------------------------------------------------------------
 
-    def break_on(self, step: int | None = None, *, when: Callable[[StepResult], bool] | None = None) -> None:
+    def break_on(self, step: int | None = None, *, when: Callable[[Any], bool] | None = None) -> None:
         """Stop a train_* call after global step ``step`` (or after any step where ``when(result)``).
 
-        The call returns the ``DebugContext`` (also passed to ``debug_hook`` as event
-        ``"step"``); the next train_* call continues the same epoch. ``break_on()`` clears.
+        The call's result has the ``DebugContext`` in ``.debug`` (also passed to ``debug_hook`` as
+        event ``"step"``); the next train_* call continues the same epoch. ``break_on()`` clears.
         """
-        self.breakpoints.set(step, when)
+        self._parts.breakpoints.set(step, when)
 
     def replay(self, ctx: DebugContext | None = None, *, anomaly: bool = True) -> ReplayReport:
         """Re-run exactly the captured step and report the first op/module producing NaN/Inf."""
-        with self.entered():
-            return self.breakpoints.replay(ctx, anomaly=anomaly)
+        with self._parts.entered():
+            return self._parts.breakpoints.replay(ctx, anomaly=anomaly)
 
-    def release(self) -> None:
-        """Free the batch and device tensors held by the last captured failure."""
-        self.breakpoints.release()
+    @property
+    def last_failure(self) -> DebugContext | None:
+        """The last failure or break point the debug hook kept (:func:`kit.debug.capture`);
+        ``.release()`` frees the batch and tensors it holds."""
+        return self._parts.breakpoints.last_failure
+
+    @last_failure.setter
+    def last_failure(self, ctx: DebugContext | None) -> None:
+        self._parts.breakpoints.last_failure = ctx
 
     # ---- checkpoints --------------------------------------------------------------------
 
     def save(self) -> Checkpoint:
         """Write a step checkpoint of the whole training state now."""
-        self.lifecycle.check_can_train()
+        self._parts.lifecycle.check_can_train()
+        from kit.errors import ConfigError
+
         if not self.config.typed_value("model"):
             raise ConfigError("config key 'model' is not set: saving needs a checkpoint path prefix")
-        self.ensure_training_parts()
-        with self.entered():
-            return self.engine.save_checkpoint(kind="step")
+        self._parts.prepare_training()
+        with self._parts.entered():
+            return self._parts.engine.save_checkpoint(kind="step")
 
     @property
     def checkpoints(self) -> CheckpointBrowser:
-        """Browser over the checkpoint files: .table, .load, .restore, .compare, .widget()."""
+        """Browser over the checkpoint files: .table, .load, .restore, .reload_latest, .compare, .widget()."""
         from kit.session.checkpoint_browser import CheckpointBrowser
 
-        return CheckpointBrowser(self)
-
-    def inspect(self, name: str, weights: Mapping[str, torch.Tensor]) -> None:
-        """Put ``weights`` (of checkpoint ``name``) into the model for a look; the training weights are kept
-        in memory, and training refuses until :meth:`restore` or :meth:`reload_latest`."""
-        self.lifecycle.inspect(self.model, name, weights)
-
-    def restore(self, ckpt: Checkpoint, loaded: tuple[dict, dict | None] | None = None) -> None:
-        """Rewind the whole training state to ``ckpt`` (``loaded``: its files, already read and verified)."""
-        self.ensure_training_parts()
-        with self.entered():
-            self.engine.restore(ckpt, loaded)
-        self.history_store.truncate_after(self.engine.progress.global_train_step)
-        self.lifecycle.consistent()
-
-    def reload_latest(self) -> None:
-        """Leave inspection: put back the training state from before ``checkpoints.load``,
-        or (when there is none in memory) restore the newest complete checkpoint."""
-        from kit import checkpoints
-
-        if not self.lifecycle.put_back_training_weights(self.engine.built_model):
-            loaded = checkpoints.load_latest(self.config.typed_value("model") or "")
-            if loaded is None:
-                raise SessionStateError("no weights kept in memory and no complete checkpoint to reload")
-            self.restore(loaded[0], loaded[1:])
-        self.lifecycle.consistent()
+        return CheckpointBrowser(self, self._parts)
 
     # ---- tools --------------------------------------------------------------------------
 
@@ -371,7 +294,7 @@ class Session:
         Works at any step boundary (mid-epoch too); refuses while training runs in the background.
         ``options``: ``smoothing``, ``diverge_factor``, ``loss`` (see :func:`kit.lr_finder.lr_find`).
         """
-        return inference.find_lr(self, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps, **options)
+        return inference.find_lr(self._parts, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps, **options)
 
     # ---- eval and forward ---------------------------------------------------------------
 
@@ -382,7 +305,7 @@ class Session:
         The config's eval datasets evaluated at an epoch end (not mid-epoch, not while a
         checkpoint is loaded for inspection) are recorded in that epoch's score row.
         """
-        return inference.evaluate(self, datasets)
+        return inference.evaluate(self._parts, datasets)
 
     def forward(self, data: Any, callback: Any = None, *, dataset: str | None = None) -> Any:
         """Outputs per sequence for a dataset, a Batch, or a list of seq tags of a known dataset.
@@ -392,20 +315,29 @@ class Session:
         Seq tags are looked up in this session's datasets; ``dataset="dev"`` (a config key,
         or a name in ``eval_datasets``) says which one when several hold the tags.
         """
-        return inference.forward(self, data, callback, dataset)
+        return inference.forward(self._parts, data, callback, dataset)
 
     # ---- stores and views ---------------------------------------------------------------
 
     @property
     def scores(self) -> Any:
         """pandas DataFrame, one row per epoch: learning rate and scores (the run's metadata is in
-        :attr:`scores_meta`; ``session.score_table.to_pandas()`` has both, as the score file)."""
-        return self.score_table.to_pandas("scores")
+        :attr:`scores_meta`; ``session.info().score_table.to_pandas()`` has both, as the score file)."""
+        return self._score_table().to_pandas("scores")
 
     @property
     def scores_meta(self) -> Any:
         """pandas DataFrame, one row per epoch: steps, train time, time, host, device, versions, memory."""
-        return self.score_table.to_pandas("meta")
+        return self._score_table().to_pandas("meta")
+
+    def _score_table(self) -> ScoreTable:
+        """The score table: the engine's once set up, else the score file as it is on disk (nothing built)."""
+        table = self._parts.engine.scores
+        if table is not None:
+            return table
+        from kit.engine.parts import open_score_table
+
+        return open_score_table(self.config)
 
     def plot(self, *, smoothing: float = 0.9) -> Any:
         """A matplotlib Figure: losses and error rates per step (raw and smoothed, on separate axes)
@@ -413,36 +345,30 @@ class Session:
         from kit.scores import split_score_key
         from kit.widgets.training_plot import plot_training
 
-        table = self.score_table
-        errors = {split_score_key(k)[1] for k in table.error_keys} | set(self.engine.accounting.errors)
+        errors = {split_score_key(k)[1] for k in self._score_table().error_keys} | self._parts.history.error_names
         return plot_training(self.history, self.scores, error_names=errors, smoothing=smoothing)
 
     @property
     def history(self) -> Any:
         """pandas DataFrame, one row per train step (losses, learning rate, seconds, memory)."""
-        return self.history_store.to_pandas()
+        return self._parts.history.to_pandas()
 
-    @property
-    def score_table(self) -> ScoreTable:
-        self.setup()
-        return self.engine.built_scores
+    def on(self, event: Event | str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Subscribe ``fn(**payload)`` to an event (:class:`kit.Event`; see ``kit.events``)."""
+        return self._parts.events.on(event, fn)
 
-    def on(self, event: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Subscribe ``fn(**payload)`` to an event (see ``kit.events``)."""
-        return self.events.on(event, fn)
-
-    def off(self, event: str, fn: Callable[..., Any]) -> None:
-        self.events.off(event, fn)
+    def off(self, event: Event | str, fn: Callable[..., Any]) -> None:
+        self._parts.events.off(event, fn)
 
     def show_loop(self) -> str:
         """Print the training loop with what is attached to each event."""
-        text = self.events.describe()
+        text = self._parts.events.describe()
         print(text)
         return text
 
     def dashboard(self) -> Any:
         """A live view of this session (:class:`kit.widgets.Dashboard`); show it as a cell's last line."""
-        return self.views.dashboard()
+        return self._parts.views.dashboard()
 
     # ---- lifetime ----------------------------------------------------------------------
 
@@ -453,17 +379,18 @@ class Session:
         frames, the last cell's error) and output-cache entries when they hold this
         session's model or optimizer — otherwise those would keep them alive.
         """
-        if self.lifecycle.status is Status.CLOSED:
+        parts = self._parts
+        if parts.lifecycle.status is Status.CLOSED:
             return
-        thread = self.driver.thread
+        thread = self._driver.thread
         if thread is not None and thread.is_alive():
             self.pause()
             thread.join()
-        drop_references_to(self, self.engine)
-        self.engine.close()
-        self.release()
-        self.lifecycle.stashed_weights = None
-        self.lifecycle.set(Status.CLOSED)
+        drop_references_to(self, parts.engine)
+        parts.engine.close()
+        parts.breakpoints.release()
+        parts.lifecycle.stashed_weights = None
+        parts.lifecycle.set(Status.CLOSED)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -474,21 +401,53 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @property
-    def resume_plan(self) -> str | None:
-        """Before first use: where training will continue ("will resume from model.002, epoch 3"), read from
-        the newest complete checkpoint's name (nothing is built, loaded or verified); None when it starts fresh."""
-        return resume_plan(self.engine)
-
     def __repr__(self) -> str:
-        p = self.engine.progress
-        plan = self.resume_plan
-        if plan is not None:
+        engine = self._parts.engine
+        if not engine.is_set_up and (plan := resume_plan(self.config, engine.final_epoch)) is not None:
             return f"<kit.Session {self.status}: {plan}>"
-        return (f"<kit.Session {self.status}: epoch {p.epoch}/{self.final_epoch}, "
+        p = engine.progress
+        return (f"<kit.Session {self.status}: epoch {p.epoch}/{engine.final_epoch}, "
                 f"step {p.step_in_epoch}, global step {p.global_train_step}>")
 
     def _repr_html_(self) -> str:
         from kit.widgets.summary import session_html
 
         return session_html(self)
+
+    # ---- old names (kept working; each says what replaced it) -----------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        old = _OLD_NAMES.get(name)
+        if old is None or name.startswith("__"):
+            raise AttributeError(f"'Session' object has no attribute {name!r}")
+        replacement, get = old
+        warnings.warn(f"session.{name} is an old name: use {replacement}", DeprecationWarning, stacklevel=2)
+        return get(self)
+
+
+def _restore(session: Session) -> Callable[..., None]:
+    return session._parts.restore
+
+
+def _release(session: Session) -> Callable[[], None]:
+    return session._parts.breakpoints.release
+
+
+# name -> (what to use instead, how to get it)
+_OLD_NAMES: dict[str, tuple[str, Callable[[Session], Any]]] = {
+    "epoch": ("session.progress.epoch", lambda s: s.progress.epoch),
+    "global_train_step": ("session.progress.global_train_step", lambda s: s.progress.global_train_step),
+    "step_in_epoch": ("session.progress.step_in_epoch", lambda s: s.progress.step_in_epoch),
+    "state": ("session.status.kind", lambda s: s.status.kind),
+    "device": ("session.info().device", lambda s: s.info().device),
+    "learning_rate": ("session.info().learning_rate", lambda s: s.info().learning_rate),
+    "final_epoch": ("session.info().final_epoch", lambda s: s.info().final_epoch),
+    "score_table": ("session.info().score_table", lambda s: s._score_table()),
+    "is_training": ("session.status.kind is kit.session.Status.RUNNING", lambda s: s.status.kind is Status.RUNNING),
+    "release": ("session.last_failure.release()", _release),
+    "reload_latest": ("session.checkpoints.reload_latest()", lambda s: s._parts.reload_latest),
+    "restore": ("session.checkpoints.restore(...)", _restore),
+    "inspect": ("session.checkpoints.load(...)", lambda s: s._parts.inspect),
+    "last_checkpoint": ("session.info().last_checkpoint", lambda s: s._parts.engine.last_checkpoint),
+    "yield_every_secs": ("Session(..., yield_every_secs=...)", lambda s: s._driver.yield_every_secs),
+}

@@ -21,7 +21,10 @@ from kit.engine.accounting import losses_device, read_normalized
 from kit.engine.memory import MemoryFigures
 from kit.engine.step import StepResult
 
+from kit.events import Event
+
 if TYPE_CHECKING:
+    from kit.engine.progress import Progress
     from kit.errors import NonFiniteLossError
     from kit.events import Events
 
@@ -46,6 +49,7 @@ class History:
         self.stride = 1  # rows are kept for steps that are multiples of it
         self.generation = 0  # +1 whenever rows are dropped (thinning, rewind): views re-read
         self.memory_source: Callable[[], MemoryFigures | None] | None = None  # the engine's meter
+        self.error_names: set[str] = set()  # losses marked as_error (plotted on the error axis)
         # steps not read yet: their rows are built at the flush, in one pass (a dict per step built
         # inside the training loop cost ~10 µs of cold-cache host time), with the memory read then
         self._pending: list[StepResult] = []
@@ -54,13 +58,18 @@ class History:
         self._since_memory = 0  # steps since the memory figures were read
 
     def subscribe(self, events: Events) -> None:
-        events.on("step_end", self.on_step_end)
-        events.on("nonfinite", self.on_nonfinite)
+        events.on(Event.STEP_END, self.on_step_end)
+        events.on(Event.NONFINITE, self.on_nonfinite)
+        events.on(Event.RESTORED, self.on_restored)
 
     def on_nonfinite(self, error: NonFiniteLossError, **_: Any) -> None:
-        """The guard rewinds to before the bad step: it and every step after it leave the history."""
+        """The bad step's update was not applied: it (and, after a rewind, every step after it) leaves the history."""
         if error.global_train_step is not None:
             self.truncate_after(error.global_train_step)
+
+    def on_restored(self, progress: Progress, **_: Any) -> None:
+        """The training state went back (a restore, a rewind): the steps from there on leave the history."""
+        self.truncate_after(progress.global_train_step)
 
     def on_step_end(self, result: StepResult, **_: Any) -> None:
         if result.global_train_step % self.stride:
@@ -70,6 +79,8 @@ class History:
             on_cpu = losses_device(result.step_losses).type == "cpu"
             self._flush_at = min(self.flush_every, CPU_FLUSH_EVERY) if on_cpu else self.flush_every
         pending.append(result)
+        if result.step_losses.errors:
+            self.error_names |= result.step_losses.errors
         self._since_memory += 1
         if self._since_memory >= self.flush_every:
             self._since_memory = 0

@@ -12,17 +12,8 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
-
-# signal.signal's C function, which the signal module wraps: the wrapper turns the returned handler
-# into an enum through a failed lookup (~10 µs warm for a pair, ~120 µs inside a training session's
-# cold caches, on every train_* call). The handler set and the one handed back are the same.
-_set_handler: Callable[[int, Any], Any]
-try:
-    from _signal import signal as _set_handler  # type: ignore[import-not-found,no-redef]
-except ImportError:  # an interpreter without CPython's _signal: the public wrapper
-    _set_handler = signal.signal
 
 
 class InterruptGuard:
@@ -60,8 +51,8 @@ class InterruptGuard:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = _set_handler(signal.SIGINT, self._on_sigint)
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
         try:
             yield
         finally:
-            _set_handler(signal.SIGINT, previous)
+            signal.signal(signal.SIGINT, previous)

@@ -34,8 +34,7 @@ def _tb_holds(tb: Any, refs: set[int]) -> bool:
 
 def drop_references_to(session: Session, engine: Engine) -> None:
     """Before a session closes: stored exceptions and cached outputs that hold it, its engine, model or optimizer."""
-    optimizer = engine.updater.optimizer if engine.updater is not None else None
-    parts = [p for p in (engine.model, engine.updater, optimizer) if p is not None]
+    parts = [p for p in (engine.model, engine.optimizer) if p is not None]
     drop_stored_references({id(o) for o in (session, engine, *parts)}, {id(o) for o in parts})
 
 

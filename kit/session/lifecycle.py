@@ -1,9 +1,8 @@
 """A session's state between calls: its :class:`Status`, why it refuses to train, and the training
 weights kept while a checkpoint is inspected.
 
-``session.state`` is the :class:`Status` enum (what views switch on); ``session.status`` the line a person
-reads, the enum's value with its detail (``"error: RuntimeError: boom"``,
-``"inspecting model.003"``).
+``session.status`` is the line a person reads, the enum's value with its detail (``"error: RuntimeError: boom"``,
+``"inspecting model.003"``); its ``kind`` is the :class:`Status` enum (what views switch on).
 """
 
 from __future__ import annotations
@@ -32,6 +31,18 @@ class Status(str, enum.Enum):
     CLOSED = "closed"
 
 
+class StatusLine(str):
+    """A session's status as the line a person reads (``"error: RuntimeError: boom"``); ``kind`` is the
+    :class:`Status` enum views switch on. A ``str``: ``session.status == "ready"`` reads as before."""
+
+    kind: Status
+
+    def __new__(cls, text: str, kind: Status) -> StatusLine:
+        line = super().__new__(cls, text)
+        line.kind = kind
+        return line
+
+
 class SessionState:
     """Status and the conditions that keep a session from training (inspection, a half-done step)."""
 
@@ -44,6 +55,10 @@ class SessionState:
 
     def set(self, status: Status, detail: str = "") -> None:
         self.status, self.detail = status, detail
+
+    @property
+    def line(self) -> StatusLine:
+        return StatusLine(self.text, self.status)
 
     @property
     def text(self) -> str:

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 class SessionViews:
     """The notebook views of one session (none are made before they are needed)."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, live: bool | None):
         self.session = session
+        self.live = live  # the session's default: True dashboard, None progress line in a kernel, False nothing
         self.live_dashboard: Any = None  # the dashboard ``live=True`` showed for the last train call
         self.dashboards: weakref.WeakSet[Any] = weakref.WeakSet()  # every dashboard() of this session
         self.progress_line: Any = None  # the default notebook progress (kit.widgets.progress)
@@ -32,7 +33,7 @@ class SessionViews:
 
     def run_starts(self, live: bool | None) -> None:
         """A train call starts: ``live`` (the call's, else the session's) says what to show."""
-        want = live if live is not None else self.session.live
+        want = live if live is not None else self.live
         if want:
             self.show_dashboard()
         elif want is None:

@@ -47,7 +47,7 @@ class RunControls:
         raise NotImplementedError
 
     def _on_pause_click(self, _button: Any = None) -> None:
-        if self.session.state is not Status.RUNNING:
+        if self.session.status.kind is not Status.RUNNING:
             self.note.value = f"Nothing to pause: the session is {html.escape(self.session.status)}."
             return
         self.session.pause()
@@ -58,7 +58,7 @@ class RunControls:
     def resume_blocker(self) -> str | None:
         """Why Resume cannot continue now (None: it can)."""
         paused = self._resumable
-        if paused is None or self.session.state is not Status.PAUSED:
+        if paused is None or self.session.status.kind is not Status.PAUSED:
             return None if paused is not None else "Resume continues a paused run; none is paused now."
         if paused.mode == "blocking":
             return ("Resume is off: the paused run was a blocking train_* call, which a button cannot start "
@@ -107,7 +107,7 @@ class RunControls:
             self._probe = (self._run_id, now)
             self._loop.call_soon(self._probe_returned, self._run_id)
         elif self._last_step_at - self._probe[1] > max(
-            0.2, 4 * self.session.yield_every_secs
+            0.2, 4 * self.session.info().yield_every_secs
         ):
             if self.reach != "blocking":
                 self.reach, self._next_refresh = "blocking", 0.0  # say so at once

@@ -124,7 +124,7 @@ class Dashboard(RunControls):
         self.min_interval = 1.0 / max_redraws_per_sec
         self.plot_budget = plot_budget
         self.plot_burst = plot_burst
-        self.timeline = Timeline(session.history_store, smoothing=smoothing)  # a view over the session's history
+        self.timeline = Timeline(session.info().history, smoothing=smoothing)  # a view over the session's history
         self.num_refreshes = 0  # text redraws
         self.num_plots = 0  # picture redraws
         self.detached = False
@@ -173,7 +173,7 @@ class Dashboard(RunControls):
 
     def _prefill(self) -> None:
         """Epoch scores of a run trained before this dashboard was made (its steps are in the history)."""
-        table = self.session.score_table_if_set_up
+        table = self.session.info().score_table
         if table is not None:
             for epoch in table.epochs:
                 self.timeline.add_scores(epoch, table.scores(epoch))
@@ -332,7 +332,7 @@ class Dashboard(RunControls):
             self.timeline.flush()
             last_step = self.timeline.last.get("global_train_step", -1)
             if last_step != self._memory_step and self.mode != "text":  # the engine's figures, read now
-                memory = self.session.memory()
+                memory = self.session.info().memory
                 if memory is not None:
                     self.timeline.add_memory(last_step, memory.columns())
                 self._memory_step = last_step
@@ -393,7 +393,7 @@ class Dashboard(RunControls):
     # ---- text ---------------------------------------------------------------------------
 
     def _num_epochs(self) -> int:
-        return self.session.final_epoch
+        return self.session.info().final_epoch
 
     def progress_text(self) -> str:
         """epoch, step in epoch, percent, ETA, seconds/step, learning rate, smoothed losses."""
@@ -403,7 +403,7 @@ class Dashboard(RunControls):
         status = self.session.status
         if self.error:
             return f"{status} (dashboard detached: {self.error})"
-        state = self.session.state
+        state = self.session.status.kind
         if state is Status.PAUSED and self._paused:
             return self._paused
         if state is Status.ERROR and self._train_error and self._train_error not in status:
@@ -415,7 +415,7 @@ class Dashboard(RunControls):
     def memory_text(self) -> str:
         memory = self.timeline.latest_memory()
         if not memory:
-            figures = self.session.memory()
+            figures = self.session.info().memory
             memory = figures.columns() if figures is not None else {}
         if not memory:
             return "memory: (not set up yet)"

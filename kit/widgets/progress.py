@@ -53,7 +53,7 @@ class ProgressLine:
     def __init__(self, session: Session, *, min_interval: float = 0.5):
         self.session = session
         self.min_interval = min_interval
-        self.timeline = Timeline(session.history_store)  # a view over the session's history
+        self.timeline = Timeline(session.info().history)  # a view over the session's history
         self.num_updates = 0
         self.text = ""
         self._handle: Any = None
@@ -102,7 +102,7 @@ class ProgressLine:
             self._handle.update(self._bundle(), raw=True)
 
     def _bundle(self) -> dict[str, str]:
-        self.text = progress_text(self.timeline, self.session.final_epoch,
+        self.text = progress_text(self.timeline, self.session.info().final_epoch,
                                   running=self._outcome is None)
         if self._outcome:
             self.text += f" · {self._outcome}"

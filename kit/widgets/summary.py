@@ -11,22 +11,23 @@ if TYPE_CHECKING:
 
 def session_html(session: Session) -> str:
     """Device, model size, position, learning rate, last scores and checkpoints of a Session."""
-    p = session.progress_snapshot()
-    plan = session.resume_plan  # before first use: where it will continue, not "epoch 1, step 0"
-    position = plan or (f"epoch {p.epoch} of {session.final_epoch}, step {p.step_in_epoch}, "
+    info = session.info()
+    p = info.progress
+    plan = info.resume_plan  # before first use: where it will continue, not "epoch 1, step 0"
+    position = plan or (f"epoch {p.epoch} of {info.final_epoch}, step {p.step_in_epoch}, "
                         f"global step {p.global_train_step}, {p.num_updates} updates")
-    rows = [("status", session.status), ("position", position)]
-    if session.num_parameters is not None:
+    rows = [("status", info.status), ("position", position)]
+    if info.num_parameters is not None:
         rows += [
-            ("device", str(session.device_if_set_up)),
-            ("model", f"{session.model_class}, {session.num_parameters:,} parameters"),
+            ("device", str(info.device)),
+            ("model", f"{info.model_class}, {info.num_parameters:,} parameters"),
         ]
     else:
         rows.append(("model", "not built yet (built on first use)"))
-    lr = session.current_learning_rate
+    lr = info.learning_rate
     if lr is not None:
         rows.append(("learning rate", f"{lr:.6g}"))
-    table = session.score_table_if_set_up
+    table = info.score_table
     if table is not None and table.epochs:
         last = table.epochs[-1]
         scores = ", ".join(f"{k} {v:.4g}" for k, v in table.scores(last).items())

@@ -41,10 +41,10 @@ def make_engine(**overrides) -> Engine:
 def test_grad_scaler_only_for_float16_unless_overridden(keys, expected_scale):
     engine = make_engine(**keys)
     if expected_scale is None:
-        assert engine.grad_scaler is None
+        assert engine.compute.grad_scaler is None
     else:
-        assert isinstance(engine.grad_scaler, torch.amp.GradScaler)
-        assert engine.grad_scaler.get_scale() == expected_scale
+        assert isinstance(engine.compute.grad_scaler, torch.amp.GradScaler)
+        assert engine.compute.grad_scaler.get_scale() == expected_scale
 
 
 def test_bad_grad_scaler_options_are_a_config_error():
@@ -79,7 +79,7 @@ def test_train_steps_run_under_cpu_autocast(dtype):
     assert not torch.equal(before.inp.weight, engine.model.inp.weight)
     assert all(p.dtype == torch.float32 for p in engine.model.parameters())  # master weights stay fp32
     if dtype == "float16":
-        assert engine.grad_scaler.get_scale() == 2.0**8  # no overflow: the scale stayed
+        assert engine.compute.grad_scaler.get_scale() == 2.0**8  # no overflow: the scale stayed
 
 
 def test_float16_gradients_are_unscaled_before_the_update():
@@ -123,4 +123,4 @@ def test_float16_scaler_skips_an_overflowing_step_without_raising():
     state["poison"] = True
     engine.train_step()
     assert all(torch.equal(p, before[n]) for n, p in engine.model.named_parameters())
-    assert engine.grad_scaler.get_scale() == 2.0**7
+    assert engine.compute.grad_scaler.get_scale() == 2.0**7

@@ -55,7 +55,7 @@ def test_every_step_runs_in_the_dtype_and_the_default_is_back_after(tmp_path, na
         assert (s["data"], s["default"], s["params"]) == (dtype, dtype, {dtype}), s
         assert s["classes"] in (None, torch.int64), s  # labels keep their dtype
     assert {str(v["logits"].dtype) for v in outputs.values()} == {output}
-    assert all(p.dtype == dtype for p in engine.built_model.parameters())
+    assert all(p.dtype == dtype for p in engine.model.parameters())
 
 
 def test_a_run_resumed_in_float64_goes_on_in_float64(tmp_path):
@@ -64,8 +64,8 @@ def test_a_run_resumed_in_float64_goes_on_in_float64(tmp_path):
     resumed = Engine(kit.Config({**config, "num_epochs": 2}))
     resumed.train()
     assert resumed.progress.epoch == 3
-    assert {p.dtype for p in resumed.built_model.parameters()} == {torch.float64}
-    state = resumed.built_updater.optimizer.state
+    assert {p.dtype for p in resumed.model.parameters()} == {torch.float64}
+    state = resumed.optimizer.state
     assert {t.dtype for s in state.values() for k, t in s.items() if k != "step"} == {torch.float64}
 
 

@@ -312,7 +312,7 @@ def test_session_train_epoch_gives_the_engines_score_row():
         df = session.scores
     engine = Engine(kit.Config(cfg))
     engine_row = engine.train_epoch()
-    assert first.global_train_step == 0
+    assert first.last_step.global_train_step == 0
     assert row["train_loss_ce"] == pytest.approx(engine_row["train_loss_ce"], rel=1e-9)
     assert row["dev_loss_fer"] == pytest.approx(engine_row["dev_loss_fer"], rel=1e-9)
     assert df.loc[1, "train_loss_ce"] == pytest.approx(row["train_loss_ce"])

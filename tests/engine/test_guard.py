@@ -42,7 +42,7 @@ def snapshot(engine: Engine) -> dict:
     return {
         "params": {n: p.detach().clone() for n, p in engine.model.named_parameters()},
         "buffers": {n: b.clone() for n, b in engine.model.named_buffers()},
-        "optimizer": copy.deepcopy(engine.updater.optimizer.state_dict()),
+        "optimizer": copy.deepcopy(engine.optimizer.state_dict()),
     }
 
 
@@ -58,25 +58,24 @@ def equal(a, b) -> bool:
 
 def run(engine: Engine, steps: int) -> None:
     """``steps`` train steps inside one driver call (the deferred mode reads when it ends)."""
-    with engine.guard.deferred_reads():
+    with engine.driver_call():
         for _ in range(steps):
             engine.train_step()
 
 
 def poisoned_step(*, loss_at=(), aux_at=()):
-    """A train_step whose loss (NaN) or a detached aux loss (NaN) is non-finite at the given
-    global steps, the first time each of them runs (a step rerun after a rewind is finite)."""
-    done: set = set()
+    """A train_step whose loss (NaN) or a detached aux loss (NaN) is non-finite on the given batches of
+    epoch 1 (``batch_idx``: the global step of an uninterrupted run). A bad batch is bad whenever it is
+    trained (a deferred rewind trains it again); the step after a reported one takes the next batch."""
 
     def train_step(*, model, extern_data, **_kwargs):
         ctx = kit.get_run_ctx()
+        bad = extern_data.batch_idx if ctx.epoch == 1 else None
         s, n = masked_ce(model, extern_data)
-        if ctx.step in loss_at and ctx.step not in done:
-            done.add(ctx.step)
+        if bad in loss_at:
             s = s * float("nan")
         ctx.mark_as_loss(s, "ce", custom_inv_norm_factor=n)
-        aux = torch.tensor(float("nan") if ctx.step in set(aux_at) - done else 1.0)
-        done.update(set(aux_at) & {ctx.step})
+        aux = torch.tensor(float("nan") if bad in aux_at else 1.0)
         ctx.mark_as_loss(aux, "aux", as_error=True)  # no gradient at all
 
     return train_step
@@ -132,48 +131,58 @@ def test_the_micro_batch_whose_gradient_turned_non_finite_is_named_and_kept(mode
     assert session.global_train_step == 4 and len(session.history) == 4
 
 
-def test_the_fused_check_gets_one_dtype_per_call_and_finds_the_inf(monkeypatch):
-    """The fused op reads every tensor of a call as the first one's dtype (on CUDA a mix is misread
-    without an error): a float64 loss beside float32 gradients is checked in a call of its own,
-    the usual all-float32 step in one call, and the Inf gradient is found either way."""
-    fused = torch._amp_foreach_non_finite_check_and_unscale_
-    calls: list[list[torch.dtype]] = []
+@pytest.mark.parametrize("loss_dtype", [torch.float32, torch.float64])
+def test_the_check_finds_the_inf_beside_losses_of_another_dtype(loss_dtype):
+    state: dict = {}
 
-    def recording(tensors, found, inv_scale):
-        calls.append([t.dtype for t in tensors])
-        return fused(tensors, found, inv_scale)
+    def train_step(*, model, extern_data, **_kwargs):
+        state["poison"] = kit.get_run_ctx().step == 2
+        s, n = masked_ce(model, extern_data)
+        kit.get_run_ctx().mark_as_loss(s.to(loss_dtype), "ce", custom_inv_norm_factor=n)
 
-    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", recording)
-    for loss_dtype in (torch.float32, torch.float64):
-        state: dict = {}
+    engine = make_engine(get_model=inf_grad_model(state), train_step=train_step)
+    run(engine, 2)
+    before = snapshot(engine)
+    with pytest.raises(kit.NonFiniteLossError) as info:
+        run(engine, 1)
+    assert info.value.global_train_step == 2 and "gradient of out.bias" in str(info.value)
+    assert equal(snapshot(engine), before)
 
-        def train_step(*, model, extern_data, _dtype=loss_dtype, _state=state, **_kwargs):
-            _state["poison"] = kit.get_run_ctx().step == 2
-            s, n = masked_ce(model, extern_data)
-            kit.get_run_ctx().mark_as_loss(s.to(_dtype), "ce", custom_inv_norm_factor=n)
 
-        engine = make_engine(get_model=inf_grad_model(state), train_step=train_step)
-        run(engine, 2)
-        before = snapshot(engine)
-        calls.clear()
-        with pytest.raises(kit.NonFiniteLossError) as info:
-            run(engine, 1)
-        assert info.value.global_train_step == 2 and "gradient of out.bias" in str(info.value)
-        assert equal(snapshot(engine), before)
-        assert all(len(set(dtypes)) == 1 for dtypes in calls)  # never a mix in one call
-        assert len(calls) == (1 if loss_dtype == torch.float32 else 2)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_any_nonfinite_is_exact(dtype):
+    from kit.engine.guard import any_nonfinite
+
+    big = torch.full((1000,), torch.finfo(dtype).max, dtype=dtype)  # summing or squaring these overflows
+    assert not bool(any_nonfinite([big, -big, torch.zeros(3, dtype=dtype)]))
+    for bad in (math.nan, math.inf, -math.inf):
+        t = torch.ones(7, dtype=dtype)
+        t[5] = bad
+        assert bool(any_nonfinite([big, t])), bad
+    assert bool(any_nonfinite([torch.tensor([math.inf, -math.inf], dtype=dtype)]))
 
 
 # ---- item 11: value clipping must not hide Inf ---------------------------------------------------
 
 
+def poison_at(state: dict, *steps: int):
+    """A train_step that poisons the model's ``out.bias`` gradient (``inf_grad_model``) at global ``steps``."""
+
+    def train_step(*, model, extern_data, **_kwargs):
+        state["poison"] = kit.get_run_ctx().step in steps
+        s, n = masked_ce(model, extern_data)
+        kit.get_run_ctx().mark_as_loss(s, "ce", custom_inv_norm_factor=n)
+
+    return train_step
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_value_clipping_does_not_hide_an_inf_gradient(mode):
     state: dict = {}
-    engine = make_engine(get_model=inf_grad_model(state), gradient_clip=1.0, **mode_keys(mode))
+    engine = make_engine(get_model=inf_grad_model(state), train_step=poison_at(state, 1), gradient_clip=1.0,
+                         **mode_keys(mode))
     run(engine, 1)
     before = snapshot(engine)
-    state["poison"] = True
     with pytest.raises(kit.NonFiniteLossError):
         run(engine, 1)
     assert equal(snapshot(engine), before)
@@ -291,30 +300,47 @@ def rewind_parity(host_rng: bool) -> None:
 
 def test_deferred_rewind_negative_control_without_the_rng(monkeypatch):
     # the parity above needs the RNG put back: without it the dropout masks differ
-    from kit.engine import guard
+    from kit.rng import RngState
 
-    monkeypatch.setattr(guard, "restore_rng", lambda snapshot: None)
+    monkeypatch.setattr(RngState, "restore", lambda self: None)
     with pytest.raises(AssertionError):
         rewind_parity(host_rng=False)
 
 
 @pytest.mark.parametrize("optimizer", [{"class": "adam"}, {"class": "adamw", "fused": True}])
-def test_deferred_updates_after_a_bad_step_are_no_ops(optimizer):
+def test_deferred_steps_after_a_bad_step_are_undone_when_the_call_ends(optimizer):
     state: dict = {}
-    engine = make_engine(get_model=inf_grad_model(state), optimizer=optimizer, nonfinite_check="deferred")
+    engine = make_engine(get_model=inf_grad_model(state), train_step=poison_at(state, 2), optimizer=optimizer,
+                         nonfinite_check="deferred")
     run(engine, 2)
     before = snapshot(engine)
-    call = engine.guard.deferred_reads()  # a driver's call that has not ended yet
+    call = engine.driver_call()  # a driver's call that has not ended yet
     call.__enter__()
-    state["poison"] = True
-    engine.train_step()
-    state["poison"] = False
-    engine.train_step()
-    engine.train_step()
-    assert equal(snapshot(engine)["params"], before["params"])  # on the device, before any read
-    with pytest.raises(kit.NonFiniteLossError):
+    for _ in range(3):  # the bad step 2, then two more, none of them read
+        engine.train_step()
+    with pytest.raises(kit.NonFiniteLossError) as info:
         call.__exit__(None, None, None)
+    assert info.value.global_train_step == 2
     assert equal(snapshot(engine), before)
+    assert engine.progress.global_train_step == 2
+
+
+def test_deferred_rewind_of_a_step_that_is_finite_when_trained_again_says_so():
+    state: dict = {"runs": 0}
+
+    def once(*, model, extern_data, **_kwargs):  # non-finite only the first time step 2 runs
+        step = kit.get_run_ctx().step
+        state["runs"] += step == 2
+        state["poison"] = step == 2 and state["runs"] == 1
+        s, n = masked_ce(model, extern_data)
+        kit.get_run_ctx().mark_as_loss(s, "ce", custom_inv_norm_factor=n)
+
+    engine = make_engine(get_model=inf_grad_model(state), train_step=once, nonfinite_check="deferred")
+    run(engine, 2)
+    with pytest.raises(kit.NonFiniteLossError, match="not deterministic"):
+        run(engine, 3)
+    assert engine.progress.global_train_step == 3  # steps 2 (again, finite) trained; 3 and 4 undone
+    assert all(torch.isfinite(p).all() for p in engine.model.parameters())
 
 
 def test_deferred_history_and_data_continue_after_the_bad_step():

@@ -42,7 +42,7 @@ def without_runs(seq: list[tuple]) -> list[tuple]:
 
 def session(tmp_path: Path) -> tuple[kit.Session, list[tuple]]:
     s = kit.Session.from_config(CONFIG, model=str(tmp_path / "model"), num_epochs=EPOCHS)
-    return s, event_log.record(s.events, [])
+    return s, event_log.record(s._parts.events, [])
 
 
 def test_session_train(tmp_path):

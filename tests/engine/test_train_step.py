@@ -133,7 +133,7 @@ def test_epoch_scores_when_the_marked_losses_change_between_steps():
     model0 = copy.deepcopy(engine.model)
     for _ in range(5):
         engine.train_step()
-    engine.accounting.state_dict()  # a mid-epoch read (step checkpoint) in between
+    engine.capture()  # a mid-epoch read (step checkpoint) in between
     row = engine.train_epoch()
     with torch.no_grad():
         per_step = [masked_ce(model0, b) for b in train_batches()]
@@ -269,7 +269,7 @@ def test_accumulation_callable_without_kwargs_is_a_config_error():
 
 
 def _optimizer_snapshot(engine: Engine) -> dict:
-    return copy.deepcopy(engine.updater.optimizer.state_dict())
+    return copy.deepcopy(engine.optimizer.state_dict())
 
 
 def test_nan_loss_raises_before_the_update_and_leaves_weights_and_optimizer_untouched():
@@ -390,7 +390,7 @@ def test_learning_rate_sequence_through_training(scheme):
     seen = {}
 
     def on_step_end(result):
-        seen.setdefault(result.epoch, set()).add(engine.updater.optimizer.param_groups[0]["lr"])
+        seen.setdefault(result.epoch, set()).add(engine.optimizer.param_groups[0]["lr"])
 
     engine.events.on("step_end", on_step_end)
     assert engine.train()
@@ -424,7 +424,7 @@ def test_dynamic_learning_rate_arguments_and_effect():
     used = []
     engine.events.on(
         "step_end",
-        lambda result: used.append((result.learning_rate, engine.updater.optimizer.param_groups[0]["lr"])),
+        lambda result: used.append((result.learning_rate, engine.optimizer.param_groups[0]["lr"])),
     )
     engine.train()
     assert [c["global_train_step"] for c in calls] == list(range(len(calls)))  # every step
@@ -503,18 +503,34 @@ def count_step_reads(engine: Engine, steps: int = 4, *, in_call: bool = False, *
     as Session.train_steps / train_epoch and the CLI run them.
     """
     engine.train_step()
-    real = engine.train_pipeline
+    real = engine._training.pipeline
     counts = []
     try:
-        with engine.guard.deferred_reads() if in_call else contextlib.nullcontext():
+        with engine.driver_call() if in_call else contextlib.nullcontext():
             for _ in range(steps):
-                engine.train_pipeline = iter([next(real)])
+                engine._training.pipeline = OneBatch(real)
                 with HostReads(**mode_kw) as mode:
                     engine.train_step()
                 counts.append(len(mode.reads))
     finally:
-        engine.train_pipeline = real
+        engine._training.pipeline = real
     return counts
+
+
+class OneBatch:
+    """The pipeline's next batch, loaded before the counting starts (its position still the pipeline's)."""
+
+    def __init__(self, pipeline):
+        self.pipeline, self.batch = pipeline, next(pipeline)
+
+    def __next__(self):
+        batch, self.batch = self.batch, None
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    def state_dict(self):
+        return self.pipeline.state_dict()
 
 
 SGD_MOMENTUM = {"class": "sgd", "momentum": 0.9}
@@ -529,7 +545,7 @@ def test_immediate_guard_reads_its_flag_once_per_micro_batch():
     # on a CPU device ("auto") the flag is host memory: one read per micro-batch, no sync
     engine = make_engine(optimizer=SGD_MOMENTUM, gradient_clip_global_norm=1.0)
     assert count_step_reads(engine) == [1, 1, 1, 1]
-    assert engine.guard.mode == "immediate"
+    assert engine._training.guard.options.mode == "immediate"
     engine = make_engine(optimizer=SGD_MOMENTUM, accum_grad_multiple_step=2)
     assert count_step_reads(engine) == [1, 1, 1, 1]  # every micro-batch's losses are checked
 
@@ -549,11 +565,11 @@ def test_deferred_guard_reads_once_when_the_train_call_ends():
     engine = make_engine(optimizer=SGD_MOMENTUM, nonfinite_check="deferred")
     engine.train_step()
     with HostReads() as mode:
-        with engine.guard.deferred_reads():
+        with engine.driver_call():
             for _ in range(3):
                 engine.train_step()
     not_loading = [r for r in mode.reads if "collate" not in r]  # loading reads host (numpy) tensors
-    assert len(not_loading) == 1 and "check" in not_loading[0]
+    assert len(not_loading) == 1 and "read" in not_loading[0]
 
 
 def test_adam_reads_only_its_own_step_counter():

@@ -86,8 +86,8 @@ def snapshot(engine: Engine, losses: list[tuple[int, float, float]]) -> RunResul
         prefix=str(engine.model_prefix),
         losses=list(losses),
         state={k: v.detach().clone() for k, v in engine.model.state_dict().items()},
-        optimizer=copy.deepcopy(engine.updater.optimizer.state_dict()),
-        scaler=engine.grad_scaler.state_dict() if engine.grad_scaler is not None else None,
+        optimizer=copy.deepcopy(engine.optimizer.state_dict()),
+        scaler=engine.compute.grad_scaler.state_dict() if engine.compute.grad_scaler is not None else None,
         scores={e: engine.scores.scores(e) for e in engine.scores.epochs},
     )
 

@@ -94,12 +94,12 @@ def test_continues_returnns_newest_epoch_with_its_optimizer_state(tmp_path, capl
     returnn_files = ["model.001.pt", "model.002.pt", "model.002.opt.pt"]
     before = _digests(tmp_path, returnn_files)
     with caplog.at_level(logging.INFO, logger="kit"), _session(tmp_path) as session:
-        session.engine.setup()
+        session._parts.engine.setup()
         assert (session.epoch, session.global_train_step) == (3, 12)
-        for name, value in session.engine.model.state_dict().items():
+        for name, value in session._parts.engine.model.state_dict().items():
             assert torch.equal(value, weights[name]), name
         saved = torch.load(tmp_path / "model.002.opt.pt", weights_only=True)["optimizer"]
-        loaded = session.engine.updater.optimizer.state_dict()
+        loaded = session._parts.engine.optimizer.state_dict()
         assert loaded["state"].keys() == saved["state"].keys() == {0, 1}
         for i in (0, 1):
             for key in ("step", "exp_avg", "exp_avg_sq"):

@@ -63,7 +63,7 @@ def test_construction_builds_nothing_until_first_use():
     s = kit.Session(**tiny_config(get_model=get_model, torch_dataloader_opts={"num_workers": 1}))
     repr(s), s._repr_html_(), s.config  # looking at it builds nothing either
     assert built == []
-    assert s.engine.model is None and s.engine.device is None and s.engine.train_pipeline is None
+    assert s._parts.engine.model is None and s._parts.engine.device is None and s._parts.engine._training.pipeline is None
     assert set(multiprocessing.active_children()) == children
     assert torch.cuda.is_initialized() == cuda_was_initialized
     s.train_step()
@@ -128,7 +128,7 @@ def test_train_to_an_epoch_then_extend_keeps_lr_control_and_history(reference):
     s = kit.Session(**tiny_config())
     s.train(num_epochs=1)  # stop after epoch 1
     assert s.epoch == 2 and s.status == "finished"
-    lr_control, steps = s.engine.lr_control, len(s.history)
+    lr_control, steps = s._parts.engine.lr_control, len(s.history)
     s.extend(2)
     s.train()
     with pytest.raises(ValueError, match=r"must be >= the current num_epochs 2; use train\(num_epochs=1\)"):
@@ -136,7 +136,7 @@ def test_train_to_an_epoch_then_extend_keeps_lr_control_and_history(reference):
     with pytest.raises(ValueError, match="epoch 2 is already trained"):
         s.train(num_epochs=1)
     s.train(num_epochs=3)
-    assert s.engine.lr_control is lr_control and len(s.history) > steps
+    assert s._parts.engine.lr_control is lr_control and len(s.history) > steps
     assert len(s.history) == reference["global_train_step"]
     assert states_equal(state(s.model), reference["state"])
     pd.testing.assert_frame_equal(score_part(s.scores), score_part(reference["scores"]))
@@ -341,7 +341,7 @@ def test_exception_and_nonfinite_events():
     s2.on("nonfinite", lambda **p: seen["nonfinite"].append(p))
     s2.train_steps(6)
     assert len(seen["nonfinite"]) == 1 and "loss bad" in str(seen["nonfinite"][0]["error"])
-    assert s2.engine.progress.num_updates == 5
+    assert s2._parts.engine.progress.num_updates == 5
 
 
 def test_pause_from_a_subscriber_returns_paused_and_fires_interrupt():

@@ -111,7 +111,7 @@ def test_would_remove_previews_cleanup_old_models(trained):
     best = int(s.scores.loc[[1, 2, 3], "dev_loss_ce"].idxmin())
     expected = {f"model.{e:03d}" for e in (1, 2) if e != best} | {"model.003.step00000041"}
     assert set(t[t.would_remove]["name"]) == expected
-    removed = engine_state.cleanup(s.engine)  # what the epoch end would do
+    removed = engine_state.cleanup(s._parts.engine)  # what the epoch end would do
     assert {c.name for c in removed} == expected
     assert {c.name for c in s.checkpoints.list()} == set(t[~t.would_remove]["name"])
 
@@ -168,7 +168,7 @@ def test_negative_controls_without_rng_or_data_position_the_continuation_differs
     s.train()
     assert not states_equal(state(s.model), reference["state"])
     s.checkpoints.restore("step:41")
-    s.engine.train_pipeline.set_epoch(3)  # forget the data position: epoch 3 from its first batch
+    s._parts.engine._training.pipeline.set_epoch(3)  # forget the data position: epoch 3 from its first batch
     s.train()
     assert not states_equal(state(s.model), reference["state"])
 

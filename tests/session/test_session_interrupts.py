@@ -88,7 +88,7 @@ def test_a_pause_inside_a_gradient_accumulation_window_continues_equal():
             )
         first = s.train()
         if pause_at is not None:
-            assert first.paused and s.engine.progress.accum_count == (pause_at + 1) % 3 != 0
+            assert first.paused and s._parts.engine.progress.accum_count == (pause_at + 1) % 3 != 0
             s.train()
         return state(s.model), rec.stacked(), s.scores
 

@@ -41,7 +41,7 @@ def fake_step(g: int, ce: float = 1.0, *, frac: float | None = None) -> StepResu
 
 
 def dashboard_handlers(session: kit.Session, event: str) -> list:
-    return [fn for fn in session.events.handlers(event) if fn.__qualname__.startswith("Dashboard.")]
+    return [fn for fn in session._parts.events.handlers(event) if fn.__qualname__.startswith("Dashboard.")]
 
 
 def test_import_kit_loads_no_widget_libraries() -> None:
@@ -199,7 +199,7 @@ def test_pause_button_stops_at_the_next_step_and_the_next_call_continues() -> No
     assert "status: paused at epoch 1, step 3" in dash.status_line.value
     assert "kit-dashboard-final" in dash.widget._dom_classes  # the last frame is drawn
     assert not dash.pause_button.disabled and dash.pause_button.description == "Pause"
-    session.events.off("step_end", click_during_step_3)
+    session.off("step_end", click_during_step_3)
     row = session.train_epoch()
     assert session.status == "ready" and "train_loss_ce" in row
     assert dash.timeline.num_steps == len(session.history)
@@ -235,7 +235,7 @@ def test_resume_continues_a_background_run_in_the_background() -> None:
     assert (paused.goal, paused.mode) == ("epoch", "background")
     dash.refresh()
     assert not dash.resume_button.disabled and dash.note.value == ""
-    session.events.off("step_end", pause_at_1)
+    session.off("step_end", pause_at_1)
     dash.resume_button.click()
     assert dash.resume_button.disabled and "Resumed (background)" in dash.note.value
     row = session.wait(timeout=120)
@@ -253,7 +253,7 @@ def test_resume_continues_an_awaitable_run_on_the_event_loop() -> None:
         session.yield_every_secs = 0.0
         paused = await session.train_steps_async(10)
         assert (paused.goal, paused.steps_left, paused.mode) == ("steps", 6, "awaitable")
-        session.events.off("step_end", pause)
+        session.off("step_end", pause)
         dash.refresh()
         assert not dash.resume_button.disabled
         dash.resume_button.click()  # a click while the kernel's loop runs
@@ -442,7 +442,7 @@ def run_with_fake_cuda(monkeypatch, *, watched: bool) -> tuple[int, list[int], i
     cuda = FakeCuda(monkeypatch)
     session = kit.Session(tiny_config(num_epochs=1))
     session.setup()  # on the CPU; then the engine's meter reads the (fake) CUDA counters
-    session.engine.memory = MemoryMeter(torch.device("cuda", 0))
+    session._parts.engine.memory = MemoryMeter(torch.device("cuda", 0))
     dash = Dashboard(session, mode="widget", max_redraws_per_sec=1e6) if watched else None
     session.train()
     if dash is not None:
