@@ -13,15 +13,25 @@ Probe steps emit no events: the session's views never see them.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pandas as pd  # type: ignore[import-untyped]
 
 from kit.errors import KitError, NonFiniteLossError
 
 if TYPE_CHECKING:
-    from kit.engine.engine import Engine
+    from kit.engine.state import TrainingState
     from kit.engine.step import StepResult
+
+
+class Probeable(Protocol):
+    """What the sweep needs of an engine: a snapshot, a probe step at a given rate, and the undo."""
+
+    def capture(self) -> TrainingState: ...
+
+    def probe_step(self, lr: float) -> StepResult: ...
+
+    def restore_state(self, state: TrainingState, *, announce: bool = True) -> None: ...
 
 
 class LRFindResult(pd.DataFrame):
@@ -64,7 +74,7 @@ class LRFindResult(pd.DataFrame):
                 f"{table}")
 
 
-def lr_find(engine: Engine, *, start_lr: float = 1e-7, end_lr: float = 10.0, num_steps: int = 100,
+def lr_find(engine: Probeable, *, start_lr: float = 1e-7, end_lr: float = 10.0, num_steps: int = 100,
             smoothing: float = 0.9, diverge_factor: float = 4.0, loss: str | None = None) -> LRFindResult:
     """Run the sweep on ``engine`` (set up for training) and put its state back; see the module doc.
 

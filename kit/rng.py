@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,8 @@ class RngState:
     """A snapshot of the global RNGs. ``numpy`` / ``python`` are None when only torch's was taken
     (``capture(host=False)``: what a step replay needs); ``cuda`` is None while CUDA is not in use."""
 
-    torch: torch.Tensor
-    cuda: tuple[torch.Tensor, ...] | None = None
+    torch: Tensor
+    cuda: tuple[Tensor, ...] | None = None
     numpy: tuple[Any, ...] | None = None  # np.random.get_state() (the legacy tuple)
     python: tuple[Any, ...] | None = None  # random.getstate()
 

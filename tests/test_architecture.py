@@ -216,3 +216,27 @@ def test_progress_fields_are_written_only_by_its_transitions():
 def test_the_progress_check_finds_a_write():
     tree = ast.parse("def f(engine):\n    p = engine.progress\n    p.accum_count = 0\n")
     assert _progress_writes({KIT / "engine" / "x.py": tree}) == ["kit/engine/x.py:3 p.accum_count"]
+
+
+def _whole_engine_parameters(trees: dict[Path, ast.Module]) -> list[str]:
+    """Functions outside ``kit/engine/`` with a parameter annotated ``Engine``: each collaborator is given
+    what it uses (a narrow Protocol or the parts), never the whole engine."""
+    found = []
+    for path, tree in trees.items():
+        if path.parent.name == "engine":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                    if arg.annotation is not None and re.search(r"\bEngine\b", ast.unparse(arg.annotation)):
+                        found.append(f"{path.relative_to(KIT.parent)}:{node.lineno} {node.name}({arg.arg})")
+    return found
+
+
+def test_no_function_outside_the_engine_takes_the_whole_engine():
+    assert _whole_engine_parameters(modules()) == []
+
+
+def test_the_whole_engine_check_finds_one():
+    tree = ast.parse("def lr_find(engine: Engine, n: int) -> None:\n    pass\n")
+    assert _whole_engine_parameters({KIT / "x.py": tree}) == ["kit/x.py:1 lr_find(engine)"]

@@ -15,9 +15,9 @@ from helpers.models import TinyModel, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kit
-from kit.rng import RngState
 import kit.debug
 from kit.data import Task12AXDataset
+from kit.rng import RngState
 
 STEPS_PER_EPOCH = 7  # 40 sequences of Task12AX at batch_size=600, max_seqs=10; random_seed_offset 6: 7 in each epoch under RETURNN's orders
 

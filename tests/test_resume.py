@@ -9,6 +9,7 @@ the training randomness must be exactly those of a run without.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -186,24 +187,27 @@ def step5_run(tmp_path, reference):
     return prefix
 
 
-def _without_grads(real):
-    def load(engine, state):
-        real(engine, {**state, "grads": None})
+def _restoring_without(monkeypatch, field: str) -> None:
+    """A negative control: the engine restores the saved training state but for one ingredient
+    (``rng``: the RNG stays as it is; ``grads``: the open window's gradients are dropped)."""
+    real = Engine.restore_state
 
-    return load
+    def restore_state(self, state, **kwargs):
+        value = kit.rng.RngState.capture() if field == "rng" else None
+        real(self, dataclasses.replace(state, **{field: value}), **kwargs)
+
+    monkeypatch.setattr(Engine, "restore_state", restore_state)
 
 
 @pytest.mark.parametrize("ingredient", ["rng", "data_position", "open_window_grads", "worker_seed_generator"])
 def test_mid_epoch_control_differs_without_one_ingredient(step5_run, reference, monkeypatch, ingredient):
     overrides = {}
     if ingredient == "rng":
-        monkeypatch.setattr(kit.engine.state, "set_rng_state", lambda state: None)
+        _restoring_without(monkeypatch, "rng")
     elif ingredient == "data_position":
         monkeypatch.setattr(kit.data.pipeline.Pipeline, "load_state_dict", lambda self, state: None)
     elif ingredient == "open_window_grads":
-        monkeypatch.setattr(
-            kit.engine.state, "load_train_state", _without_grads(kit.engine.state.load_train_state)
-        )
+        _restoring_without(monkeypatch, "grads")
     else:  # the DataLoader draws its workers' base seed from the global torch RNG again
         real_init = kit.data.workers.WorkerPool.__init__
 
@@ -225,16 +229,17 @@ def test_session_save_mid_epoch_and_a_new_session_continues_bit_exactly(tmp_path
     cfg = config(tmp_path / "model", **WORKERS)
     with kit.Session(cfg) as first:
         first.train_steps(STEPS_PER_EPOCH + 7)  # epoch 2, step 7: the window [6, 7] is open
-        assert (first.epoch, first.step_in_epoch, first._parts.engine.progress.accum_count) == (2, 7, 1)
+        assert (first.epoch, first.step_in_epoch, first.engine.progress.accum_count) == (2, 7, 1)
         ckpt = first.save()
         before = first.history
     assert (ckpt.kind, ckpt.global_train_step) == ("step", STEPS_PER_EPOCH + 7)
 
     with kit.Session(cfg) as second:
+        second.setup()
         assert (second.epoch, second.step_in_epoch, second.global_train_step) == (2, 7, STEPS_PER_EPOCH + 7)
         second.train()
         after = second.history
-        result = snapshot(second._parts.engine, [])
+        result = snapshot(second.engine, [])
     assert list(before["global_train_step"]) + list(after["global_train_step"]) == list(
         range(2 * STEPS_PER_EPOCH)
     )
@@ -248,7 +253,7 @@ def test_session_save_control_differs_without_rng_restore(tmp_path, reference, m
     with kit.Session(cfg) as first:
         first.train_steps(STEPS_PER_EPOCH + 7)
         first.save()
-    monkeypatch.setattr(kit.engine.state, "set_rng_state", lambda state: None)
+    _restoring_without(monkeypatch, "rng")
     with kit.Session(cfg) as second:
         second.train_steps(3)
         ce = list(second.history["ce"])
@@ -353,7 +358,7 @@ def test_load_epoch_chooses_the_weights_when_not_training_and_is_ignored_by_a_re
     evaluating.task = "eval"
     evaluating.setup()
     assert same_weights(evaluating.model, weights_of(f"{prefix}.001.pt"))
-    assert evaluating.updater is None  # weights only: no training state was loaded
+    assert evaluating.optimizer is None  # weights only: no training state was loaded
 
     forward_only = Engine(kit.Config(tiny_config(prefix, train_step=None, train=None)))
     forward_only.setup()  # not a training config: the newest checkpoint, weights only
@@ -386,6 +391,7 @@ def test_load_a_plain_model_file_gives_weights_and_epoch(tmp_path):
     torch.save({"model": weights}, tmp_path / "net.004.pt")
     for name, epoch, step in [("plain.pt", 1, 0), ("other.pt", 4, 40), ("net.004.pt", 5, 0)]:
         with kit.Session(config(tmp_path / f"run_{epoch}" / "model", load=str(tmp_path / name))) as session:
+            session.setup()
             assert (session.epoch, session.global_train_step) == (epoch, step), name
             assert same_weights(session.model, weights)
             assert not session.optimizer.state_dict()["state"]  # a fresh optimizer
@@ -407,6 +413,7 @@ def test_import_model_train_epoch1_starts_at_epoch_one_with_its_weights(tmp_path
     with kit.Session(
         config(tmp_path / "model", import_model_train_epoch1=f"{reference.prefix}.002")
     ) as session:
+        session.setup()
         assert (session.epoch, session.global_train_step) == (1, 0)
         assert same_weights(session.model, weights_of(f"{reference.prefix}.002.pt"))
         assert not session.optimizer.state_dict()["state"]

@@ -245,7 +245,7 @@ def test_a_malicious_newest_checkpoint_is_refused_on_resume(tmp_path, reference,
     with pytest.raises(UnsafeCheckpointError, match=r"model\.003.*'posix\.system'|model\.003.*'os\.system'"):
         Engine(config(prefix, num_epochs=4)).setup()
     with pytest.raises(UnsafeCheckpointError):
-        kit.Session(config(prefix, num_epochs=4)).model  # noqa: B018
+        kit.Session(config(prefix, num_epochs=4)).setup()
     assert not marker.exists()
 
 

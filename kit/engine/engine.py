@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from kit.checkpoints import Checkpoint
     from kit.checkpoints.lock import PrefixLock
     from kit.data.batch import Batch
+    from kit.engine.lr_control import LearningRateControl
     from kit.engine.parts import Built, Training
 
 __all__ = ["Engine", "StepOptions", "StepResult"]
@@ -81,6 +82,7 @@ class Engine:
         self._loggers: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
         self._lock: PrefixLock | None = None  # while this engine trains into `model`
         self._last_checkpoint: Checkpoint | None = None
+        self._closed_scores: ScoreTable | None = None
         self._epoch_start_time = 0.0
         self._calls = 0  # driver calls open now (deferred reads wait for their end)
         self._debugger: Debugger | None = None
@@ -145,7 +147,8 @@ class Engine:
 
     @property
     def scores(self) -> ScoreTable | None:
-        return self._built.scores if self._built is not None else None
+        """The score table once set up (still readable after :meth:`close`); None before."""
+        return self._built.scores if self._built is not None else self._closed_scores
 
     @property
     def datasets(self) -> dict[str, Any]:
@@ -162,6 +165,11 @@ class Engine:
         return self._training.updater.learning_rate if self._training is not None else None
 
     @property
+    def lr_control(self) -> LearningRateControl | None:
+        """The learning-rate controller (RETURNN's: per-epoch rates, newbob's scores); None before training is prepared."""
+        return self._training.schedule.lr_control if self._training is not None else None
+
+    @property
     def num_parameters(self) -> int | None:
         model = self.model
         return sum(t.numel() for t in model.parameters()) if model is not None else None
@@ -173,6 +181,11 @@ class Engine:
     @property
     def model_prefix(self) -> str | None:
         return self.config.typed_value("model")
+
+    @property
+    def prefix_lock(self) -> PrefixLock | None:
+        """The lock this engine holds on its ``model`` prefix while it trains into it (None otherwise)."""
+        return self._lock
 
     @property
     def last_checkpoint(self) -> Checkpoint | None:
@@ -612,6 +625,8 @@ class Engine:
             self._lock = None
         if self._built is not None and self._built.dist:  # destroys the process group it created
             self._built.dist.close()
+        if self._built is not None:
+            self._closed_scores = self._built.scores  # the run's scores stay readable after close
         self._built = self._training = None
 
 

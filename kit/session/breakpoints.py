@@ -8,21 +8,36 @@ A break point stops a train_* call after a matching step and returns the step's
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kit.engine.debugging import DebugContext, Hook
+from kit.debug.replay_step import Replayable
+from kit.engine.debugging import DebugContext, Debugger, Hook
 from kit.engine.step import StepResult
 from kit.errors import SessionStateError
 
 if TYPE_CHECKING:
     from kit.debug.replay_step import ReplayReport
-    from kit.engine.engine import Engine
+    from kit.rng import RngState
+
+
+class Breakable(Replayable, Protocol):
+    """What break points need of an engine: a debugger to attach, the last step's batch and RNG, and
+    what a replay reads (:class:`~kit.debug.replay_step.Replayable`)."""
+
+    def attach_debugger(self, hook_getter: Callable[[], Hook | None],
+                        keeper: Callable[[DebugContext], None] | None = None) -> Debugger: ...
+
+    @property
+    def last_batch(self) -> Any: ...
+
+    @property
+    def last_step_rng(self) -> RngState | None: ...
 
 
 class Breakpoints:
     """Where to stop, the session's debugger, and the failure it kept last."""
 
-    def __init__(self, engine: Engine, hook_getter: Callable[[], Hook | None]):
+    def __init__(self, engine: Breakable, hook_getter: Callable[[], Hook | None]):
         self.engine = engine
         self.step: int | None = None
         self.when: Callable[[StepResult], bool] | None = None

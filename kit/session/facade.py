@@ -177,7 +177,7 @@ class Session:
             resume_plan=None if engine.is_set_up else resume_plan(self.config, engine.final_epoch),
             model_class=type(model).__name__ if model is not None else None,
             num_parameters=engine.num_parameters, device=engine.device, learning_rate=engine.learning_rate,
-            memory=engine.memory_now(), score_table=engine.scores, history=parts.history,
+            memory=engine.memory_now(), score_table=self._score_table(), history=parts.history,
             last_checkpoint=engine.last_checkpoint, yield_every_secs=self._driver.yield_every_secs)
 
     # ---- training -----------------------------------------------------------------------
@@ -386,7 +386,7 @@ class Session:
         if thread is not None and thread.is_alive():
             self.pause()
             thread.join()
-        drop_references_to(self, parts.engine)
+        drop_references_to([self, parts.engine], [parts.engine.model, parts.engine.optimizer])
         parts.engine.close()
         parts.breakpoints.release()
         parts.lifecycle.stashed_weights = None

@@ -6,11 +6,8 @@
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kit.engine.engine import Engine
-    from kit.session.facade import Session
+from collections.abc import Sequence
+from typing import Any
 
 
 def _holds(exc: BaseException | None, refs: set[int]) -> bool:
@@ -32,10 +29,11 @@ def _tb_holds(tb: Any, refs: set[int]) -> bool:
     return False
 
 
-def drop_references_to(session: Session, engine: Engine) -> None:
-    """Before a session closes: stored exceptions and cached outputs that hold it, its engine, model or optimizer."""
-    parts = [p for p in (engine.model, engine.optimizer) if p is not None]
-    drop_stored_references({id(o) for o in (session, engine, *parts)}, {id(o) for o in parts})
+def drop_references_to(holders: Sequence[object], values: Sequence[object | None]) -> None:
+    """Before a session closes: stored exceptions whose frames hold any of ``holders`` or ``values``
+    (the session, its engine, model, optimizer), and cached outputs that are one of ``values``."""
+    kept = [v for v in values if v is not None]
+    drop_stored_references({id(o) for o in (*holders, *kept)}, {id(o) for o in kept})
 
 
 def drop_stored_references(frame_refs: set[int], value_refs: set[int]) -> None:

@@ -400,7 +400,7 @@ class Dashboard(RunControls):
         return progress_text(self.timeline, self._num_epochs(), running=self._running)
 
     def status_text(self) -> str:
-        status = self.session.status
+        status: str = self.session.status
         if self.error:
             return f"{status} (dashboard detached: {self.error})"
         state = self.session.status.kind

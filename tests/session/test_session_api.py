@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import re
 import sys
 import weakref
 
@@ -63,7 +64,9 @@ def test_construction_builds_nothing_until_first_use():
     s = kit.Session(**tiny_config(get_model=get_model, torch_dataloader_opts={"num_workers": 1}))
     repr(s), s._repr_html_(), s.config  # looking at it builds nothing either
     assert built == []
-    assert s._parts.engine.model is None and s._parts.engine.device is None and s._parts.engine._training.pipeline is None
+    assert s.engine.model is None and s.engine.device is None and s.engine.lr_control is None  # no train parts
+    with pytest.raises(kit.SessionStateError, match="not built yet.*setup"):
+        _ = s.model  # a property builds nothing
     assert set(multiprocessing.active_children()) == children
     assert torch.cuda.is_initialized() == cuda_was_initialized
     s.train_step()
@@ -82,6 +85,7 @@ def test_parts_and_position():
 
     s = kit.Session(**tiny_config(get_model=get_model))
     assert (s.epoch, s.global_train_step, s.step_in_epoch) == (1, 0, 0)
+    s.setup()  # builds the model and the optimizer; properties only read them
     assert s.model is made[0]
     assert isinstance(s.optimizer, torch.optim.Adam)
     assert {id(p) for g in s.optimizer.param_groups for p in g["params"]} == {
@@ -120,15 +124,16 @@ def test_step_counters_of_mixed_calls_equal_a_plain_train(reference):
         hist[["global_train_step", "epoch", "step", "ce", "fer"]],
     )
     assert s.status == "finished"
-    with pytest.raises(kit.SessionStateError, match="all 3 epochs are trained.*extend"):
-        s.train_step()
+    r = s.train_step()  # nothing left: says so and returns (a rerun of a cell must not fail)
+    assert r.outcome == "finished" and r.last_step is None
+    assert re.search("all 3 epochs are trained.*extend", r.summary())
 
 
 def test_train_to_an_epoch_then_extend_keeps_lr_control_and_history(reference):
     s = kit.Session(**tiny_config())
     s.train(num_epochs=1)  # stop after epoch 1
     assert s.epoch == 2 and s.status == "finished"
-    lr_control, steps = s._parts.engine.lr_control, len(s.history)
+    lr_control, steps = s.engine.lr_control, len(s.history)
     s.extend(2)
     s.train()
     with pytest.raises(ValueError, match=r"must be >= the current num_epochs 2; use train\(num_epochs=1\)"):
@@ -136,7 +141,7 @@ def test_train_to_an_epoch_then_extend_keeps_lr_control_and_history(reference):
     with pytest.raises(ValueError, match="epoch 2 is already trained"):
         s.train(num_epochs=1)
     s.train(num_epochs=3)
-    assert s._parts.engine.lr_control is lr_control and len(s.history) > steps
+    assert s.engine.lr_control is lr_control and len(s.history) > steps
     assert len(s.history) == reference["global_train_step"]
     assert states_equal(state(s.model), reference["state"])
     pd.testing.assert_frame_equal(score_part(s.scores), score_part(reference["scores"]))
@@ -154,6 +159,8 @@ def test_save_then_restart_resumes_at_that_step_and_continues_equal(tmp_path, re
     s.close()
     # a "kernel restart": the same config in a new session
     s2 = kit.Session(**tiny_config(prefix))
+    assert (s2.progress.epoch, s2.progress.global_train_step) == (2, position[2])  # planned, from the name
+    s2.setup()  # loads the step checkpoint: the step in the epoch is in its training state
     assert (s2.epoch, s2.step_in_epoch, s2.global_train_step) == position == (2, 5, position[2])
     pd.testing.assert_frame_equal(s2.scores, scores)
     s2.train()

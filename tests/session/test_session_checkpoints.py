@@ -16,7 +16,7 @@ from session_testlib import score_part, state, states_equal
 
 import kit
 from kit.data import Task12AXDataset, batches
-from kit.engine import state as engine_state
+from kit.engine import saving
 
 
 def train_with_a_step_checkpoint(prefix: str) -> kit.Session:
@@ -111,13 +111,16 @@ def test_would_remove_previews_cleanup_old_models(trained):
     best = int(s.scores.loc[[1, 2, 3], "dev_loss_ce"].idxmin())
     expected = {f"model.{e:03d}" for e in (1, 2) if e != best} | {"model.003.step00000041"}
     assert set(t[t.would_remove]["name"]) == expected
-    removed = engine_state.cleanup(s._parts.engine)  # what the epoch end would do
+    s.setup()
+    engine = s.engine
+    removed = saving.cleanup(s.config, engine.scores, engine.last_checkpoint)  # what the epoch end would do
     assert {c.name for c in removed} == expected
     assert {c.name for c in s.checkpoints.list()} == set(t[~t.would_remove]["name"])
 
 
 def test_load_inspects_and_restore_rewinds(trained):
     s, prefix = trained
+    s.setup()
     trained_state, optimizer_state = state(s.model), copy.deepcopy(s.optimizer.state_dict())
     scores = s.scores
     position = (s.epoch, s.step_in_epoch, s.global_train_step)
@@ -163,12 +166,12 @@ def test_continuing_from_a_restore_equals_the_original_continuation(tmp_path, re
 def test_negative_controls_without_rng_or_data_position_the_continuation_differs(trained, reference):
     s, _ = trained
     s.checkpoints.restore("step:41")
-    s.world.rng = None  # forget the restored RNG world: the caller's global state is used instead
+    s._parts.world.rng = None  # (a negative control reaches inside) forget the restored RNG world: the caller's global state is used instead
     torch.manual_seed(1234)
     s.train()
     assert not states_equal(state(s.model), reference["state"])
     s.checkpoints.restore("step:41")
-    s._parts.engine._training.pipeline.set_epoch(3)  # forget the data position: epoch 3 from its first batch
+    s.engine._training.pipeline.set_epoch(3)  # forget the data position: epoch 3 from its first batch
     s.train()
     assert not states_equal(state(s.model), reference["state"])
 
@@ -194,6 +197,7 @@ def test_compare_numbers_match_a_hand_computation(trained):
 
 def test_compare_on_a_batch_gives_output_differences(trained):
     s, prefix = trained
+    s.setup()
     dev = Task12AXDataset(12, seed=5)
     batch = next(iter(batches(dev, batch_size=2000, max_seqs=6, extern_data=dev.extern_data, train=False)))
     before = state(s.model)

@@ -166,7 +166,7 @@ session.on("step_end", lambda result, **_: losses.append(result.step_losses.valu
 session.on("step_end", lambda **_: touch_once(marks / "started"))
 for event in ("eval_begin", "eval_end", "checkpoint_saved"):
     session.on(event, lambda _event=event, **_: touch_once(marks / _event))
-session.model  # built here, not in the timed cell
+session.setup()  # built here, not in the timed cell
 """
 
 CONTINUE_CELL = """
@@ -298,6 +298,7 @@ def test_kernel_close_drops_the_stored_traceback_and_frees_the_model(kernel, ker
     kernel.run(f"""
 session = kit.Session.from_config({str(kernel_config)!r}, train_step=lambda **_: 1 / 0)
 import weakref
+session.setup()
 model_ref = weakref.ref(session.model)
 """)
     status, text = kernel.wait(kernel.send("session.train_step()"))

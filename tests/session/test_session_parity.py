@@ -14,6 +14,7 @@ from session_testlib import LossRecorder, state, states_equal
 
 import kit
 from kit.session import Session
+from kit.session.parts import SessionParts
 
 
 def noisy_train_step(*, model, extern_data, **kwargs):
@@ -87,7 +88,7 @@ def test_two_sessions_stepped_in_turns_each_equal_their_run_alone():
 
 def test_negative_control_without_swapping_rng_states_the_sessions_interfere(monkeypatch):
     expected = [alone("a"), alone("b")]
-    monkeypatch.setattr(Session, "entered", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(SessionParts, "entered", lambda self: contextlib.nullcontext())
     got = interleaved()
     assert not all(states_equal(g[0], e[0]) for g, e in zip(got, expected))
     assert not all(torch.equal(g[1], e[1]) for g, e in zip(got, expected))
@@ -153,16 +154,16 @@ def test_a_blocking_train_call_swaps_the_sessions_world_once(monkeypatch):
     from kit.session import world
 
     swaps = []
-    original = world.World._outermost
+    original = world.torch_defaults
 
-    def counted(self):
+    def counted():  # read twice per swap: the caller's defaults going in, the session's coming out
         swaps.append(1)
-        return original(self)
+        return original()
 
     with kit.Session(**tiny_config(**CONFIG_A)) as s:
         s.train_step()  # set-up (model, optimizer, pipeline) done
-        monkeypatch.setattr(world.World, "_outermost", counted)
+        monkeypatch.setattr(world, "torch_defaults", counted)
         for call in (s.train_step, lambda: s.train_steps(3), s.train_epoch):
             swaps.clear()
             call()
-            assert len(swaps) == 1  # ~0.05 ms each: set-up checks and the steps share one
+            assert len(swaps) == 2  # one swap in and out; ~0.05 ms each: set-up checks and the steps share one

@@ -18,7 +18,8 @@ def test_repr_and_html_before_first_use_say_where_training_resumes(tmp_path):
     assert repr(again) == "<kit.Session ready: will resume from model.002, epoch 3>"
     assert "will resume from model.002, epoch 3" in again._repr_html_()
     assert again.engine.model is None and not again.engine.is_set_up  # nothing was built or loaded
-    assert again.epoch == 3  # and that is where it does resume
+    again.setup()
+    assert again.progress.epoch == 3  # and that is where it does resume
     assert "will resume" not in repr(again) and "epoch 3/3" in repr(again)
     again.train_steps(2)
     again.save()
