@@ -111,7 +111,8 @@ def main() -> None:
     bare = {"bare save": "bare save", "kit save": "bare save", "kit nofsync": "bare save",
             "bare load": "bare load", "kit load": "bare load", "verify": "bare load"}
     for k, v in med.items():
-        table.add(k, f"{v * 1e3:.0f}", f"{size / 1e6 / v:.0f}", f"{v / med[bare[k]]:.2f}×")
+        ratio = "" if k == "verify" else f"{v / med[bare[k]]:.2f}×"
+        table.add(k, f"{v * 1e3:.0f}", f"{size / 1e6 / v:.0f}", ratio)
     publish(args, "checkpoint", table, notes=(
         f"A {size / 1e6:.0f} MB checkpoint (a {n_params / 1e6:.1f} M-parameter fp32 model and its Adam state), "
         f"median of {args.repeats} interleaved repeats. kit save: temp file, fsync, rename, sha256 manifest; "

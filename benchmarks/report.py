@@ -45,7 +45,7 @@ class Table:
 
 
 def machine() -> str:
-    """The machine in one line: CPU, cores, GPU (when CUDA has one), OS, torch and Python versions."""
+    """The machine in one line: CPU, cores, GPU (when CUDA has one), OS, load average, torch and Python versions."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -57,6 +57,8 @@ def machine() -> str:
     if torch is not None and torch.cuda.is_available():
         parts.append(torch.cuda.get_device_name(0))
     parts.append(f"{platform.system()} {platform.release()}")
+    if hasattr(os, "getloadavg"):  # a shared machine's other work shows in every timing
+        parts.append(f"load {os.getloadavg()[0]:.1f}")
     if torch is not None:
         parts.append(f"torch {torch.__version__}")
     parts.append(f"Python {platform.python_version()}")
