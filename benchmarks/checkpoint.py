@@ -17,9 +17,9 @@ import tempfile
 import time
 
 import torch
+from report import Table, add_write_flag, publish
 
 import kit.checkpoints as ck
-from report import Table, add_write_flag, publish
 
 
 def make(width: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

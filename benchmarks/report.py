@@ -122,5 +122,5 @@ def publish(args: argparse.Namespace, name: str, table: Table | str, *, notes: s
     if getattr(args, "no_write", False):
         return
     text = table.markdown() if isinstance(table, Table) else table
-    path = write_section(name, text, command_line(), notes=notes)
+    path = write_section(name, text, command_line(), notes=notes, path=DOC)
     print(f"\nwrote section {name!r} of {path}")
