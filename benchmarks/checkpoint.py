@@ -17,6 +17,7 @@ import tempfile
 import time
 
 import torch
+from report import Table, add_write_flag, publish
 
 import kit.checkpoints as ck
 
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument(
         "--dir", default=None, help="where to write (default: the temp dir; e.g. /dev/shm leaves the disk out)"
     )
+    add_write_flag(ap)
     args = ap.parse_args()
     model, opt = make(args.width, args.layers)
     n_params = sum(p.numel() for p in model.parameters())
@@ -105,6 +107,17 @@ def main() -> None:
         f"ratio load kit/bare: {med['kit load'] / med['bare load']:.2f}x "
         f"(sha256 beside the load; hashing alone takes {med['verify'] * 1e3:.0f} ms)"
     )
+    table = Table("operation", "ms, median", "MB/s", "ratio to bare torch")
+    bare = {"bare save": "bare save", "kit save": "bare save", "kit nofsync": "bare save",
+            "bare load": "bare load", "kit load": "bare load", "verify": "bare load"}
+    for k, v in med.items():
+        ratio = "" if k == "verify" else f"{v / med[bare[k]]:.2f}×"
+        table.add(k, f"{v * 1e3:.0f}", f"{size / 1e6 / v:.0f}", ratio)
+    publish(args, "checkpoint", table, notes=(
+        f"A {size / 1e6:.0f} MB checkpoint (a {n_params / 1e6:.1f} M-parameter fp32 model and its Adam state), "
+        f"median of {args.repeats} interleaved repeats. kit save: temp file, fsync, rename, sha256 manifest; "
+        "kit nofsync: the same with fsync stubbed out; kit load: `weights_only=True` with the sha256 check "
+        "beside it; verify: hashing alone."))
 
 
 if __name__ == "__main__":

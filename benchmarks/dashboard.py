@@ -26,6 +26,7 @@ import sys
 import time
 
 import torch
+from report import Table, add_write_flag, publish
 
 import kit
 from kit.widgets import Dashboard
@@ -102,6 +103,7 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: steadier timings on shared CPUs)"
     )
+    add_write_flag(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.pop("KIT_TEST", None)
@@ -152,6 +154,15 @@ def main() -> None:
         f"noise check, a second plain session / plain: median {statistics.median(control_ratios):.3f}, "
         f"totals {sum(times['control']) / total_p:.3f}"
     )
+    table = Table("session", "ms / step", "ratio to plain, median of rounds", "ratio of totals")
+    table.add("plain", f"{1000 * total_p / steps:.2f}", "1.000", "1.000")
+    table.add("watched by a dashboard", f"{1000 * total_w / steps:.2f}", f"{statistics.median(ratios):.3f}",
+              f"{total_w / total_p:.3f}")
+    table.add("a second plain session (noise)", f"{1000 * sum(times['control']) / steps:.2f}",
+              f"{statistics.median(control_ratios):.3f}", f"{sum(times['control']) / total_p:.3f}")
+    publish(args, "dashboard", table, notes=(
+        f"The 12AX LSTM example, {args.rounds} rounds of {args.chunk} steps per session in alternating order; "
+        f"{dash.num_plots} pictures drawn. Target: ratio of totals ≤ 1.03."))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.utils.data
+from report import Table, add_write_flag, publish
 from torch.nn.utils.rnn import pad_sequence
 
 import kit
@@ -305,7 +306,8 @@ def ratios_to(times: dict[str, list[float]], base: str) -> dict[str, tuple[float
     return {k: quartiles([t / b for t, b in zip(v, times[base])]) for k, v in times.items()}
 
 
-def report(w: Workload, runs: dict[str, Any], times: dict[str, list[float]], base: str) -> dict[str, float]:
+def report(w: Workload, runs: dict[str, Any], times: dict[str, list[float]], base: str,
+           table: Table | None = None) -> dict[str, float]:
     ratios = ratios_to(times, base)
     print(f"\n{w.name}: {w.turn} steps per turn, {len(times[base])} rounds")
     print(f"  {'variant':<30} {'µs/step':>8} {'+µs':>6} {'ratio':>6}  {'interquartile':<13} {'totals':>6}  "
@@ -323,6 +325,9 @@ def report(w: Workload, runs: dict[str, Any], times: dict[str, list[float]], bas
         totals = sum(vals) / sum(times[base])  # every step counted: what a median of turns leaves out
         print(f"  {name:<30} {statistics.median(vals) * 1e6:8.0f} {extra:6.0f} {med:6.3f}  {q1:5.3f}-{q3:5.3f}   "
               f"{totals:6.3f}  {weights:<17} {verdict}")
+        if table is not None:
+            table.add(name, f"{statistics.median(vals) * 1e6:.0f}", f"{extra:.0f}", f"{med:.3f}×",
+                      f"{q1:.3f}–{q3:.3f}", f"{totals:.3f}", weights, verdict)
     print("  (totals: all of a variant's time over all of the loop's. Work that comes every so many steps —\n"
           "   a block of batches gathered, the history read, an epoch's end — falls into some turns only,\n"
           "   so the median of turns leaves part of it out; the totals count it, and other load on the machine too.)")
@@ -348,6 +353,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--wall", action="store_true", help="time wall clock instead of process CPU time")
     ap.add_argument("--profile", type=int, metavar="STEPS", help="cProfile STEPS kit steps instead of timing")
+    add_write_flag(ap)
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.perf_counter if args.wall else time.process_time
@@ -364,7 +370,13 @@ def main() -> None:
             w = dataclasses.replace(w, turn=args.turn)
         runs = contenders(w)
         times = interleave(runs, w.turn, args.rounds or w.rounds)
-        report(w, runs, times, "loop, pre-collated")
+        table = Table("variant", "µs/step", "+µs", "ratio", "interquartile", "totals", "weights", "target")
+        report(w, runs, times, "loop, pre-collated", table)
+        publish(args, f"end_to_end.{key}", table, notes=(
+            f"{w.name}: {w.turn} steps per turn, {len(times['loop, pre-collated'])} rounds, "
+            f"{'wall clock' if args.wall else 'process CPU time'}, {args.threads} torch thread(s). Ratio: median "
+            "of per-round ratios to the pre-collated loop; +µs: median extra host time per step; totals: all of a "
+            "variant's time over all of the loop's (work that comes every so many steps included)."))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import end_to_end as e  # noqa: E402  (the shared workloads)
+from report import Table, command_line, write_section  # noqa: E402
 
 import kit  # noqa: E402
 
@@ -288,6 +289,11 @@ def main() -> int:
     width = max(len(c) for c, _, _ in ROWS)
     for check, result, verdict in ROWS:
         print(f"  {check:<{width}}  {result}  {verdict}")
+    if DEVICE == "cuda" and "--no-write" not in sys.argv[1:]:
+        table = Table("check", "result", "verdict")
+        for check, result, verdict in ROWS:
+            table.add(check, result, verdict)
+        write_section("gpu_check", table.markdown(), command_line())
     return 1 if any(v == "FAILED" for _, _, v in ROWS) else 0
 
 

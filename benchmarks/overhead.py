@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from report import Table, add_write_flag, publish
 
 import kit
 from kit.data import Task12AXDataset, batches
@@ -222,7 +223,7 @@ def bench(case: Case, rounds: int, profile: bool) -> dict[str, float]:
         prof = cProfile.Profile()
         prof.runcall(loops["kit"].run, batch_list)
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
-    return {**ratios, **{f"{k} cost": v for k, v in guard_cost.items()}}
+    return {**ratios, **{f"{k} cost": v for k, v in guard_cost.items()}, **{f"{k} µs": per_step[k] for k in variants}}
 
 
 def main() -> None:
@@ -232,6 +233,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--wall", action="store_true", help="time wall clock instead of process CPU time")
     ap.add_argument("--profile", action="store_true", help="cProfile one kit run per case")
+    add_write_flag(ap)
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.perf_counter if args.wall else time.process_time
@@ -240,9 +242,17 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), CPU, {clock}; medians of interleaved runs"
     )
+    table = Table("case", "loop", "µs/step", "ratio to the hand loop", "guard cost × kit's step")
     for key, case in CASES.items():
         if args.only in (None, key):
-            bench(case, args.rounds or case.rounds, args.profile)
+            r = bench(case, args.rounds or case.rounds, args.profile)
+            for k in ("kit", "kit+guard", "kit+guard deferred"):
+                table.add(case.name, k, f"{r[k + ' µs']:.0f}", f"{r[k]:.3f}×",
+                          f"{r[k + ' cost']:.3f}×" if k + " cost" in r else "")
+    if args.only is None and not args.profile:  # the section holds every case
+        publish(args, "overhead", table, notes=(
+            f"{clock}, {args.threads} torch thread(s), medians of per-round ratios of interleaved runs. Targets: "
+            "kit ≤ 1.10× on the MLP and ≤ 1.02× on the LSTM; the default guard ≤ 1.05× kit's step."))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import torch.utils.data
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import end_to_end as e  # noqa: E402  (the shared workloads)
+from report import Table, add_write_flag, publish  # noqa: E402
 
 
 class Stop(Exception):
@@ -272,9 +273,11 @@ def contenders(w: e.Workload) -> tuple[dict[str, Any], list[str]]:
     return runs, missing
 
 
-def table(w: e.Workload, times: dict[str, list[float]], runs: dict[str, Any], base: str, markdown: bool) -> None:
+def table(w: e.Workload, times: dict[str, list[float]], runs: dict[str, Any], base: str, markdown: bool) -> str:
+    """Print the workload's table (as markdown with ``markdown``); returns the markdown for docs/benchmarks.md."""
     ratios = e.ratios_to(times, base)
     rows = sorted(times, key=lambda k: ratios[k][1])
+    out = Table(f"{w.name}, AdamW", "µs/step", "ratio to the pre-collated loop (interquartile)", "weights")
     if markdown:
         print(f"\n| {w.name}, AdamW | µs/step | ratio to the pre-collated loop (interquartile) | weights |")
         print("|---|---|---|---|")
@@ -284,11 +287,14 @@ def table(w: e.Workload, times: dict[str, list[float]], runs: dict[str, Any], ba
         q1, med, q3 = ratios[name]
         weights = "" if name == base else e.same_weights(runs[base].model, runs[name].model)
         us = statistics.median(times[name]) * 1e6
+        bold = "**" if name.startswith("kit") else ""
+        out.add(f"{bold}{name}{bold}", f"{us:.0f}", f"{bold}{med:.2f}×{bold} ({q1:.2f}–{q3:.2f})", weights)
         if markdown:
             bold = "**" if name.startswith("kit") else ""
             print(f"| {bold}{name}{bold} | {us:.0f} | {bold}{med:.2f}×{bold} ({q1:.2f}–{q3:.2f}) | {weights} |")
         else:
             print(f"  {name:<34} {us:8.0f} µs {med:6.2f}x  ({q1:.2f}-{q3:.2f})  {weights}")
+    return out.markdown()
 
 
 def main() -> None:
@@ -296,8 +302,10 @@ def main() -> None:
     ap.add_argument("--only", choices=sorted(e.WORKLOADS))
     ap.add_argument("--rounds", type=int, help="rounds per workload (default: the workload's)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--markdown", action="store_true", help="print the tables as markdown (the README's)")
+    ap.add_argument("--markdown", action="store_true", help="print the tables as markdown (as docs/benchmarks.md has them)")
+    add_write_flag(ap)
     args = ap.parse_args()
+    tables = []
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     print(f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -308,13 +316,18 @@ def main() -> None:
         runs, missing = contenders(w)
         try:
             times = e.interleave(runs, w.turn, args.rounds or w.rounds)
-            table(w, times, runs, "loop, pre-collated", args.markdown)
+            tables.append(table(w, times, runs, "loop, pre-collated", args.markdown))
         finally:
             for run in runs.values():
                 if isinstance(run, Stepper):
                     run.close()
         for line in missing:
             print(f"  ({line})")
+            tables.append(f"({line})")
+    if args.only is None:  # the section holds both workloads
+        publish(args, "peers", "\n\n".join(tables), notes=(
+            f"{torch.get_num_threads()} torch thread(s), process CPU time, interleaved turns; medians of per-round "
+            "ratios. Every contender gets the same data, model, initial weights, batches and AdamW."))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import time
 import numpy as np
 import torch
 import torch.utils.data
+from report import Table, add_write_flag, publish
 from torch.nn.utils.rnn import pad_sequence
 
 from kit.data import ArrayDataset, Pipeline
@@ -107,6 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-seqs", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=5)
+    add_write_flag(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -167,6 +169,16 @@ def main() -> None:
             f"{per_batch:.1f} seqs per batch, a bin holds {bin_size / per_batch:.0f} batches)"
         )
     print(f"\ntotal {time.perf_counter() - t0:.0f}s")
+    throughput = Table("loader", "sequences/s, median", "ratio to plain, same workers")
+    for k, v in med.items():
+        throughput.add(k, f"{v:.0f}", f"{v / med['plain ' + k.split()[1]]:.2f}")
+    padding = Table("batch_size", *orderings)
+    for batch_size, row in table.items():
+        padding.add(batch_size, *(f"{eff:.3f} ({per_batch:.1f})" for eff, per_batch in row.values()))
+    publish(args, "pipeline", throughput.markdown() + "\n\nPadding efficiency (real / padded frames; sequences "
+            "per batch in brackets), max_seqs=256:\n\n" + padding.markdown(),
+            notes=f"{len(ds)} sequences, {len(plan)} batches per epoch, median of {args.repeats} interleaved epochs; "
+                  "plain: a `DataLoader` with kit's batch plan as its `batch_sampler` and a `pad_sequence` collate.")
 
 
 if __name__ == "__main__":

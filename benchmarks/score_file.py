@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+from report import Table, add_write_flag, publish
+
 _CHILD = r"""
 import json, resource, sys, time
 path, how = sys.argv[1], sys.argv[2]
@@ -67,6 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=16.0)
     ap.add_argument("--repeats", type=int, default=3)
+    add_write_flag(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "learning_rates")
@@ -82,6 +85,12 @@ def main() -> None:
         print(f"  {how:10s} {secs:7.2f} s CPU   peak memory +{mem / 1e6:7.0f} MB ({mem / size:5.1f}x the file)")
     (ks, km), (bs, bm) = med["kit"], med["ast.parse"]
     print(f"  kit / ast.parse: time {ks / bs:.2f}x, memory {km / bm:.2f}x")
+    table = Table("reader", "CPU s, median", "peak memory added, MB", "× the file")
+    for how, (secs, mem) in med.items():
+        table.add(how, f"{secs:.2f}", f"{mem / 1e6:.0f}", f"{mem / size:.1f}")
+    publish(args, "score_file", table, notes=(
+        f"A {size / 1e6:.1f} MB RETURNN learning-rate file of {results['kit'][0]['epochs']} epochs, "
+        f"{args.repeats} runs each in fresh processes, interleaved. kit parses it without evaluating it."))
 
 
 if __name__ == "__main__":

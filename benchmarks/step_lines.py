@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import end_to_end as e  # noqa: E402
+from report import Table, add_write_flag, publish  # noqa: E402
 
 KIT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kit") + os.sep
 
@@ -70,6 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=640, help="steps counted per variant (default 640: ten history reads)")
     ap.add_argument("--top", type=int, default=12, help="kit functions listed per variant")
+    add_write_flag(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     w = e.WORKLOADS["mlp"]
@@ -81,14 +83,21 @@ def main() -> None:
     base_calls = sum(results[names[0]].calls.values()) / args.steps
     print(f"{w.name}: per step, over {args.steps} steps (sys.settrace; counts, not times)")
     print(f"  {'variant':30} {'kit lines':>10} {'kit calls':>10} {'all Python calls':>17} {'ratio to the loop':>18}")
+    table = Table("variant", "kit lines / step", "kit calls / step", "all Python calls / step", "ratio to the loop")
     for name, c in results.items():
         calls = sum(c.calls.values()) / args.steps
-        print(f"  {name:30} {sum(c.lines.values()) / args.steps:10.1f} {c.calls['kit'] / args.steps:10.1f} "
-              f"{calls:17.1f} {calls / base_calls:18.3f}")
+        row = (name, f"{sum(c.lines.values()) / args.steps:.1f}", f"{c.calls['kit'] / args.steps:.1f}",
+               f"{calls:.1f}", f"{calls / base_calls:.3f}")
+        table.add(*row)
+        print(f"  {row[0]:30} {row[1]:>10} {row[2]:>10} {row[3]:>17} {row[4]:>18}")
     for name in names[1:]:
         print(f"\n  {name}: the kit functions with the most lines per step")
         for (path, fn), n in results[name].lines.most_common(args.top):
             print(f"    {n / args.steps:7.1f}  {path}:{fn}")
+    publish(args, "step_lines", table, notes=(
+        f"{w.name}, {args.steps} steps per variant counted with `sys.settrace` (counts, not times: exact and "
+        "repeatable where timing on a noisy machine is not). kit's variants run through `Session.train_steps` "
+        "on an `ArrayDataset`."))
 
 
 if __name__ == "__main__":

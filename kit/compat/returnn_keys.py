@@ -10,7 +10,7 @@ Statuses:
 - ``unsupported``: named in one warning when a config sets it, then ignored;
 - ``replaced``: an error that names kit's replacement.
 
-``docs/returnn_keys.md`` is generated from this table (``python -m kit._config_docs``).
+``docs/returnn_keys.md`` is generated from this table (``python -m kit.config.docs``).
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def returnn_keys_markdown() -> str:
     lines = [
         "# RETURNN's config keys in kit",
         "",
-        "Generated from `kit/compat/returnn_keys.py` by `python -m kit._config_docs`; do not edit by hand.",
+        "Generated from `kit/compat/returnn_keys.py` by `python -m kit.config.docs`; do not edit by hand.",
         "",
         "Every key RETURNN's PyTorch engine reads. `kit`: same name and meaning (docs/config.md); "
         "`translated`: rewritten into kit keys with RETURNN's meaning; `no effect`: nothing to do in kit; "

@@ -141,7 +141,7 @@ def test_run_ctx_in_returnns_forms():
 
 def test_returnn_keys_doc_is_generated_and_fresh():
     doc = (ROOT / "docs" / "returnn_keys.md").read_text(encoding="utf-8")
-    assert doc == returnn_keys_markdown(), "docs/returnn_keys.md is stale: run `python -m kit._config_docs`"
+    assert doc == returnn_keys_markdown(), "docs/returnn_keys.md is stale: run `python -m kit.config.docs`"
     for name, key in RETURNN_KEYS.items():
         assert f"| `{name}` |" in doc
         if key.status == "kit":
