@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import re
+import subprocess
 import sys
 import weakref
 
@@ -375,6 +376,14 @@ def test_show_loop_names_each_subscriber_under_its_event(capsys):
     at = next(i for i, line in enumerate(lines) if line.strip().startswith("epoch_end("))
     assert "my_logger" in lines[at + 1] and "my_logger" not in "".join(lines[:at])
     assert any("History.on_step_end" in line for line in lines)
+
+
+def test_show_loop_works_without_docstrings():
+    """``python -OO`` strips docstrings: the loop's outline is data, not parsed from one."""
+    code = "import kit.events as e; text = e.show_loop(); print('epoch_end' in text and 'step_end' in text)"
+    out = subprocess.run([sys.executable, "-OO", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("True")
 
 
 def test_repr_html_tells_device_size_position_lr_scores_checkpoints(tmp_path):
