@@ -137,6 +137,35 @@ class HandLoop:
             self.frames += mask.sum()
 
 
+class ListFeed:
+    """The same batches in place of the engine's pipeline, with the position a training state keeps
+    (the deferred guard captures it at each read and rewinds to it)."""
+
+    def __init__(self, batch_list: list[kit.Batch]):
+        self.batch_list, self.position = batch_list, 0
+
+    def __iter__(self) -> ListFeed:
+        return self
+
+    def __next__(self) -> kit.Batch:
+        if self.position >= len(self.batch_list):
+            raise StopIteration
+        self.position += 1
+        return self.batch_list[self.position - 1]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state.get("position", 0)
+
+    def close(self) -> None:
+        pass
+
+
 class KitLoop:
     """``Engine.train_step()`` over the same batches (fed in place of the engine's own pipeline)."""
 
@@ -161,7 +190,7 @@ class KitLoop:
 
     def run(self, batch_list: list[kit.Batch]) -> None:
         engine = self.engine
-        engine._training.pipeline = iter(batch_list)
+        engine._training.pipeline = ListFeed(batch_list)
         with engine.driver_call():  # one train call, as Session.train_steps makes it
             for _ in batch_list:
                 engine.train_step()
