@@ -23,6 +23,7 @@ import torch
 from kit.config import Config
 from kit.engine import build, distributed, parts, saving, step
 from kit.engine.accounting import EpochAccounting
+from kit.engine.cuda_graph import GraphedStep
 from kit.engine.debugging import DebugContext, Debugger, Hook
 from kit.engine.evaluation import evaluate_dataset
 from kit.engine.guard import GuardOptions
@@ -78,6 +79,7 @@ class Engine:
         self._training: Training | None = None
         self._final_epoch: int | None = None
         self._options: tuple[int, StepOptions] | None = None
+        self._graphed: GraphedStep | None = None  # torch_cuda_graph's step (built with the options)
         self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
         self._loggers: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
         self._lock: PrefixLock | None = None  # while this engine trains into `model`
@@ -263,7 +265,12 @@ class Engine:
             t.guard.configure(GuardOptions.read(self.config, accelerator=b.device.type != "cpu" and not _many_devices(
                 b.model), distributed=b.dist is not None))
             self._options = (self.config.version, StepOptions.read(self.config, keep_rng=self._debugger is not None))
+            self._graphed = GraphedStep.for_config(self.config, b, t, accum=self._options[1].accum_grad_multiple_step)
         return self._options[1]
+
+    def _step_fn(self) -> Callable[..., StepResult]:
+        """The step the loop runs: the eager box, or ``torch_cuda_graph``'s graphed / compiled one."""
+        return step.train_step if self._graphed is None else self._graphed.train_step
 
     # ---- the loop's units ---------------------------------------------------------------------
 
@@ -282,7 +289,7 @@ class Engine:
             p.data_exhausted()
             return None
         self.events.emit(StepBegin(p.epoch, p.step_in_epoch, batch))
-        result = step.train_step(batch, started, p, b, t, opts)
+        result = self._step_fn()(batch, started, p, b, t, opts)
         self.events.emit(StepEnd(result))
         # the log line and the step checkpoint, when due; the guard's flag is read where they read losses
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
@@ -310,7 +317,7 @@ class Engine:
                     t.guard.begin_step(self)
                     started, batch = time.perf_counter(), next(t.pipeline, None)
                     if batch is not None:
-                        return step.train_step(batch, started, p, b, t, opts)
+                        return self._step_fn()(batch, started, p, b, t, opts)
                     t.pipeline.set_epoch(p.epoch)
                     p.data_again()
         finally:
@@ -525,6 +532,8 @@ class Engine:
         from kit import checkpoints
 
         b, t = self._parts()
+        if self._graphed is not None:  # new optimizer-state tensors: a captured graph would update the old ones
+            self._graphed.invalidate()
         if state.weights is not None:
             checkpoints.load_into_model(b.model, state.weights)
         self._progress.move_to(state.progress)
