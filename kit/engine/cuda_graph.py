@@ -132,7 +132,7 @@ def check_spec(value: Any) -> str | None:
     try:
         GraphOptions.parse(value)
     except ConfigError as exc:
-        return str(exc).split(": ", 1)[1]
+        return "a dict of RETURNN's options: " + str(exc).split(": ", 1)[1]
     return None
 
 
@@ -181,9 +181,12 @@ class StaticInputs:
         for key, f in batch.fields.items():
             buf = self.data[key] if key in self.data else self._make(key, f)
             shape = tuple(f.tensor.shape)
+            if f.lengths is not None and shape[1] > buf.shape[1]:
+                raise DataError(f"config key '{KEY}': a sequence of {shape[1]} frames in data key {key!r} exceeds "
+                                f"dim_capacity[{key!r}]={buf.shape[1]} (raise it, or set max_seq_length)")
             if len(shape) != buf.dim() or any(s > b for s, b in zip(shape, buf.shape)):
-                raise DataError(f"config key '{KEY}': data key {key!r} of shape {shape} exceeds the bounds "
-                                f"{tuple(buf.shape)} (batch_size_bound, dim_capacity)")
+                raise DataError(f"config key '{KEY}': data key {key!r} of shape {shape} does not fit the bounds "
+                                f"{tuple(buf.shape)}")
             if any(s < p for s, p in zip(shape, self.shapes.get(key, shape))):
                 buf.zero_()  # stale frames of a larger batch never stay behind the padding
             self.shapes[key] = shape
@@ -279,6 +282,7 @@ class GraphedStep:
         lr = t.schedule.for_step(p, opts.dynamic_learning_rate)
         t.step_rng = RngState.capture(host=False) if opts.keep_rng else None
         self.inputs.copy_in(batch, p.global_train_step)
+        t.updater.zero_grad()  # every step is a window (no accumulation); a replay rebinds the graph's
         losses, grad_norm = self._run(b, t, opts, p.epoch)
         p.micro_batch_added()
         finite = t.guard.check(losses, p, batch, t.step_rng)
