@@ -16,7 +16,11 @@ with a simulated OOM, to test the script itself). Prints one table:
    and so is the log line (``log_every_n_steps`` set past the window).
 3. **memory figures**: what the dashboard shows (``session.memory()``, the engine's meter) against
    ``torch.cuda.memory_stats()`` read at the same moment: allocated and reserved; the last step's peak.
-4. **OOM split**: ``Session.forward`` of a batch whose forward really runs out of device
+4. **CUDA graph** (``torch_cuda_graph``, float32 with TF32): the same Transformer through
+   ``Session.train_steps`` eager and with the whole step captured (every batch full, so no padding
+   sequences), interleaved with the hand-written float32 loop; median step-time ratios, and the
+   per-step losses of the graphed session against the eager one over the same batches.
+5. **OOM split**: ``Session.forward`` of a batch whose forward really runs out of device
    memory (it allocates a third of the free memory per sequence); with
    ``forward_auto_split_batch_on_oom`` the batch is split until it fits, and the outputs
    equal those of a model that does not allocate.
@@ -117,6 +121,51 @@ def check_throughput(w: e.Workload, rounds: int = 15, turn: int = 8) -> None:
     row("bf16 step, kit / hand loop", f"{med:.3f}x (loop {statistics.median(per_step) * 1e3:.2f} ms/step, "
         f"{w.max_seqs} seqs of {w.min_len}-{w.max_len} frames)", med <= 1.05 if DEVICE == "cuda" else None)
     sess.close()
+
+
+def check_cuda_graph(w: e.Workload, rounds: int = 9, turn: int = 8) -> None:
+    """Throughput of the captured step against the eager one and the hand loop; the same losses."""
+    w = copy.copy(w)
+    w.num_seqs = w.max_seqs * 12  # every batch full: no padding sequences (a zero-length one would attend to nothing)
+    seqs = e.make_seqs(w)
+    plan = e.plan_indices(seqs, w)
+    torch.manual_seed(0)
+    base = w.make_model()
+    ready = [tuple(t.to(DEVICE) for t in b) for b in itertools_take(e.precollated(seqs, plan), len(plan))]
+    loop = e.HandLoop(copy.deepcopy(base).to(DEVICE), iter_cycle(ready))
+    loop.loss_sum, loop.frames = loop.loss_sum.to(DEVICE), loop.frames.to(DEVICE)
+    graph = {"batch_size_bound": w.max_seqs, "dim_capacity": {"data": w.max_len, "classes": w.max_len}}
+    eager_s = session(copy.deepcopy(base).to(DEVICE), w)
+    graphed_s = session(copy.deepcopy(base).to(DEVICE), w, torch_cuda_graph=graph)
+    losses: dict[str, list[float]] = {"eager": [], "graphed": []}
+    for name, sess in (("eager", eager_s), ("graphed", graphed_s)):
+        sess.engine.events.on("step_end", lambda result, name=name: losses[name].append(result.losses["ce"]))
+        sess.train_steps(4)  # graphed: captured at its first step
+    same = max(abs(a - b) / abs(a) for a, b in zip(losses["eager"], losses["graphed"]))
+    row("cuda graph: step losses, graphed vs eager", f"max rel diff {same:.1e} over 4 steps", same < 1e-3)
+
+    def timed(fn: Any) -> float:
+        synchronize()
+        t = time.perf_counter()
+        fn()
+        synchronize()
+        return time.perf_counter() - t
+
+    loop.run(3)
+    vs_eager, vs_loop, graphed_ms = [], [], []
+    for r in range(rounds):
+        order = [("loop", loop.run), ("eager", eager_s.train_steps), ("graphed", graphed_s.train_steps)]
+        if r % 2:
+            order.reverse()
+        t = {name: timed(lambda fn=fn: fn(turn)) for name, fn in order}
+        vs_eager.append(t["graphed"] / t["eager"])
+        vs_loop.append(t["graphed"] / t["loop"])
+        graphed_ms.append(t["graphed"] / turn * 1e3)
+    row("cuda graph: step, graphed / kit eager", f"{statistics.median(vs_eager):.3f}x "
+        f"(graphed {statistics.median(graphed_ms):.2f} ms/step)", None)
+    row("cuda graph: step, graphed / hand loop", f"{statistics.median(vs_loop):.3f}x", None)
+    eager_s.close()
+    graphed_s.close()
 
 
 def synchronize() -> None:
@@ -267,7 +316,7 @@ def main() -> int:
               "(--dry-run runs the throughput and OOM-split checks on the CPU, to test the script itself.)")
         return 0
     w = gpu_workload()
-    checks = [check_throughput, check_syncs, check_memory]
+    checks = [check_throughput, check_syncs, check_memory, check_cuda_graph]
     if dry_run:
         DEVICE, checks = "cpu", [check_throughput]
         w.max_seqs, w.num_seqs = 4, 4 * 4
