@@ -98,7 +98,7 @@ class GraphOptions:
             raise ConfigError(f"config key '{KEY}': 'capture': False requires 'compile': True (as in RETURNN)")
         if flags["capture_optimizer"] and not flags["capture"]:
             raise ConfigError(f"config key '{KEY}': 'capture_optimizer' needs 'capture': True")
-        return cls(int(bound), dict(caps), warmup_steps=warmup, **flags)
+        return cls(bound, dict(caps), warmup_steps=warmup, **flags)  # type: ignore[arg-type]  # checked above
 
     @classmethod
     def read(cls, config: Config) -> GraphOptions | None:
