@@ -33,7 +33,7 @@ from kit.debug.hooks import DebugStop, capture, post_mortem, raise_
 from kit.engine.debugging import DEBUG_EVENTS, DebugContext, Debugger, rng_kept
 
 if TYPE_CHECKING:
-    from kit.debug.replay_step import ReplayReport, Replayable
+    from kit.debug.replay_step import Replayable, ReplayReport
 
 __all__ = ["DEBUG_EVENTS", "DebugContext", "DebugStop", "Debugger", "Finding", "ReplayReport", "capture",
            "post_mortem", "raise_", "replay", "rng_kept"]

@@ -14,7 +14,6 @@ import html
 import inspect
 import linecache
 import math
-import sys
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kit.compat.seeding import seed_returnn_frontend
 from kit.config import Config
 from kit.engine.accounting import EpochAccounting
 from kit.engine.user_code import call_user
@@ -96,7 +97,9 @@ def create_model(config: Config, device: torch.device, epoch: int, step: int) ->
     get_model = config.typed_value("get_model")
     if get_model is None:
         raise ConfigError("config key 'get_model' is not set: expected get_model(*, epoch, step, **kwargs)")
-    seed_all(model_init_seed(config.int("random_seed"), epoch, step))
+    seed = model_init_seed(config.int("random_seed"), epoch, step)
+    seed_all(seed)
+    seed_returnn_frontend(seed)  # rf.Module parameters: RETURNN's initial weights
     model = call_user(get_model, "get_model", epoch=epoch, step=step)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"config key 'get_model': returned {type(model).__name__}, expected a torch.nn.Module")
