@@ -22,6 +22,7 @@ class Field:
     lengths: torch.Tensor | None = None
     sparse_dim: int | None = None
     _ready_mask: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _view: Any = field(default=None, init=False, repr=False, compare=False)  # RETURNN's Tensor view, built on first use
 
     def prepare_mask(self, ready: torch.Tensor | None = None) -> None:
         """Build the (CPU) mask now (or take ``ready``, the data path's), for the next :meth:`mask`
@@ -68,6 +69,66 @@ class Field:
     def num_frames(self) -> int:
         """Real (unpadded) frames, counted on the CPU without a device sync."""
         return int(self.lengths.sum()) if self.lengths is not None else self.tensor.shape[0]
+
+    # ---- RETURNN's tensor API (``returnn.tensor.Tensor``'s names that do not clash with kit's) ----------
+    # A RETURNN step function reads ``extern_data["data"].raw_tensor`` and its lengths through ``.dims``,
+    # whatever kit guessed about it. ``shape``, ``dtype`` and ``sparse_dim`` keep kit's meaning (torch's
+    # shape and dtype, the class count); RETURNN's ``Dim`` for the classes is ``dims``' ``sparse_dim``.
+
+    @property
+    def raw_tensor(self) -> torch.Tensor:
+        """RETURNN's name for :attr:`tensor`."""
+        return self.tensor
+
+    @raw_tensor.setter
+    def raw_tensor(self, value: torch.Tensor) -> None:
+        self.tensor, self._view = value, None
+
+    def returnn_view(self) -> Any:
+        """This field as a RETURNN ``Tensor`` view (:mod:`kit.compat.tensor`): the same one on every call."""
+        view = self._view
+        if view is None or view.raw_tensor is not self.tensor:
+            from kit.compat.tensor import field_view
+
+            view = self._view = field_view("data", self)
+        return view
+
+    @property
+    def dims(self) -> tuple[Any, ...]:
+        """RETURNN's ``dims``: batch, then the time axis (``.dyn_size_ext.raw_tensor``: the lengths), then the rest."""
+        return self.returnn_view().dims  # type: ignore[no-any-return]
+
+    @property
+    def batch_dim(self) -> Any:
+        return self.returnn_view().batch_dim
+
+    @property
+    def feature_dim(self) -> Any:
+        return self.returnn_view().feature_dim
+
+    @property
+    def dim(self) -> int | None:
+        """RETURNN's ``Tensor.dim``: the class count (sparse) or the feature dimension."""
+        return self.returnn_view().dim  # type: ignore[no-any-return]
+
+    @property
+    def sparse(self) -> bool:
+        return self.sparse_dim is not None
+
+    @property
+    def batch_ndim(self) -> int:
+        return self.tensor.dim()
+
+    @property
+    def batch_shape(self) -> tuple[int | None, ...]:
+        return self.returnn_view().batch_shape  # type: ignore[no-any-return]
+
+    def get_time_dim_tag(self) -> Any:
+        return self.returnn_view().get_time_dim_tag()
+
+    def get_sequence_lengths(self) -> torch.Tensor:
+        """RETURNN's name for :attr:`lengths` (an error for a field without a time axis, as in RETURNN)."""
+        return self.returnn_view().get_sequence_lengths()  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         sparse = f", sparse_dim={self.sparse_dim}" if self.sparse_dim is not None else ""
@@ -125,6 +186,11 @@ class Batch(Mapping[str, Field]):
         """A batch of other fields with this one's tags (lazy ones stay lazy), indices, epoch, position."""
         return Batch(fields, self._seq_tags, self.seq_idx, self.epoch, self.complete_frac, self.batch_idx,
                      tag_of=self._tag_of)
+
+    @property
+    def data(self) -> dict[str, Field]:
+        """RETURNN's ``TensorDict.data``: the fields by key."""
+        return self.fields
 
     def __getitem__(self, key: str) -> Field:
         try:
