@@ -54,6 +54,21 @@ class Field:
     def pin_memory(self) -> Field:
         return Field(self.tensor.pin_memory(), self.lengths, self.sparse_dim)
 
+    def cpu_copy(self) -> Field:
+        """A detached CPU copy (what a debug context keeps)."""
+        lengths = None if self.lengths is None else self.lengths.clone()
+        return Field(self.tensor.detach().to("cpu", copy=True), lengths, self.sparse_dim)
+
+    def select_seqs(self, idx: list[int]) -> Field:
+        """The field of some sequences (the time axis cut to the longest selected one)."""
+        sel = torch.tensor(idx, dtype=torch.long)
+        tensor = self.tensor.index_select(0, sel.to(self.tensor.device))
+        lengths = None
+        if self.lengths is not None:
+            lengths = self.lengths.index_select(0, sel)
+            tensor = tensor[:, : int(lengths.max()) if len(idx) else 0]
+        return Field(tensor, lengths, self.sparse_dim)
+
     @property
     def shape(self) -> torch.Size:
         return self.tensor.shape
@@ -136,6 +151,52 @@ class Field:
         return f"Field({tuple(self.tensor.shape)}, {self.tensor.dtype}{sparse}{lengths})"
 
 
+@dataclass(repr=False)
+class StringField(Field):
+    """A data key of strings (RETURNN's dtype ``"string"``, e.g. ``OggZipDataset``'s ``raw``): one per sequence.
+
+    ``tensor`` (and ``raw_tensor``) is a numpy array ``[B]`` of ``str``, as RETURNN hands it to a step
+    function: strings are not converted to torch, and they stay on the CPU when the batch moves to a device.
+    """
+
+    tensor: np.ndarray  # type: ignore[assignment]
+
+    @property
+    def strings(self) -> list[str]:
+        """The sequences' strings as a Python list."""
+        return [str(s) for s in self.tensor.tolist()]
+
+    def mask(self) -> torch.Tensor:
+        raise ValueError("a string field has no time axis, so it has no mask")
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Field:
+        return self  # strings stay on the host (as RETURNN's numpy array)
+
+    def pin_memory(self) -> Field:
+        return self
+
+    def cpu_copy(self) -> Field:
+        return StringField(self.tensor.copy())
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.tensor.shape)
+
+    @property
+    def dtype(self) -> Any:  # the numpy dtype: torch has none for strings
+        return self.tensor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def select_seqs(self, idx: list[int]) -> Field:
+        return StringField(self.tensor[np.asarray(idx, dtype=np.int64)])
+
+    def __repr__(self) -> str:
+        return f"StringField({self.tensor.shape[0]} strings)"
+
+
 class Batch(Mapping[str, Field]):
     """A padded batch of sequences: ``batch["data"].tensor``, ``batch.seq_tags``, ...
 
@@ -214,7 +275,8 @@ class Batch(Mapping[str, Field]):
     def with_float_dtype(self, dtype: torch.dtype) -> Batch:
         """The batch with its floating-point tensors in ``dtype`` (labels, lengths and masks as they are)."""
         fields = {k: Field(f.tensor.to(dtype), f.lengths, f.sparse_dim)
-                  if f.tensor.is_floating_point() and f.tensor.dtype != dtype else f for k, f in self.fields.items()}
+                  if not isinstance(f, StringField) and f.tensor.is_floating_point() and f.tensor.dtype != dtype
+                  else f for k, f in self.fields.items()}
         return self._same_meta(fields)
 
     def pin_memory(self) -> Batch:
@@ -223,16 +285,7 @@ class Batch(Mapping[str, Field]):
     def select(self, index: slice | list[int]) -> Batch:
         """A sub-batch of some sequences (time axes cut to the longest selected sequence)."""
         idx = list(range(self.num_seqs))[index] if isinstance(index, slice) else list(index)
-        sel = torch.tensor(idx, dtype=torch.long)
-        fields = {}
-        for key, f in self.fields.items():
-            tensor = f.tensor.index_select(0, sel.to(f.tensor.device))
-            lengths = None
-            if f.lengths is not None:
-                lengths = f.lengths.index_select(0, sel)
-                max_len = int(lengths.max()) if len(idx) else 0
-                tensor = tensor[:, :max_len]
-            fields[key] = Field(tensor, lengths, f.sparse_dim)
+        fields = {key: f.select_seqs(idx) for key, f in self.fields.items()}
         lazy = self._seq_tags is None and self.seq_idx
         return Batch(
             fields,
@@ -249,6 +302,9 @@ class Batch(Mapping[str, Field]):
         tags = self.seq_tags[:5] + (["..."] if len(self.seq_tags) > 5 else [])
         lines = [f"batch of {self.num_seqs} seqs (epoch {self.epoch}, batch {self.batch_idx}), tags {tags}"]
         for key, f in self.fields.items():
+            if isinstance(f, StringField):
+                lines.append(f"  {key}: {len(f.tensor)} strings, e.g. {f.strings[:2]}")
+                continue
             t = f.tensor
             desc = f"  {key}: shape {tuple(t.shape)} {t.dtype}"
             if t.numel() and t.device.type != "meta":

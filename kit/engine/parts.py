@@ -42,15 +42,17 @@ def build_datasets(config: Config) -> dict[str, Any]:
     for key in ("train", "dev", "eval"):
         value = config.typed_value(key)
         if value is not None:
-            out[key] = _make(make_dataset, value, key)
+            out[key] = _make(make_dataset, value, key, evaluated=key != "train")
     for name, value in (config.typed_value("eval_datasets") or {}).items():
-        out[f"eval_datasets.{name}"] = _make(make_dataset, value, f"eval_datasets[{name!r}]")
+        out[f"eval_datasets.{name}"] = _make(make_dataset, value, f"eval_datasets[{name!r}]", evaluated=True)
     return out
 
 
-def _make(make_dataset: Any, value: Any, key: str) -> Any:
+def _make(make_dataset: Any, value: Any, key: str, *, evaluated: bool) -> Any:
+    from kit.data.returnn_adapter import EVAL_DEFAULTS
+
     try:
-        return make_dataset(value)
+        return make_dataset(value, returnn_defaults=EVAL_DEFAULTS if evaluated else None)
     except (ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"config key '{key}': {exc}") from None
 
