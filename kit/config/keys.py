@@ -95,6 +95,18 @@ def int_or_per_key(allow_none: bool = True) -> Check:
     return check
 
 
+def batch_limit(check: Check) -> Check:
+    """``check``, or a callable (RETURNN calls it per sequence with ``epoch``, ``epoch_continuous``, ``seq_idx``)."""
+
+    def either(v: Any) -> str | None:
+        if callable(v) and not isinstance(v, type):
+            return None
+        problem = check(v)
+        return None if problem is None else f"{problem}, or a function f(*, epoch, epoch_continuous, seq_idx, **kwargs)"
+
+    return either
+
+
 def int_or_callable(v: Any) -> str | None:
     return None if callable(v) or (_is_int(v) and v > 0) else "a positive int or a callable"
 
@@ -283,8 +295,10 @@ _KEYS: list[Key] = [
     _k("data", "eval", "dataset", None, "eval dataset; evaluated after each train epoch", dataset_spec),
     _k("data", "eval_datasets", "dict", None, "name -> dataset, evaluated after each train epoch", eval_datasets_spec),
     _k("data", "forward_data", "dataset", None, "dataset for `python -m kit forward`", dataset_spec),
-    _k("data", "batch_size", "int | dict", 5000, "frames per batch including padding (max_len * num_seqs), per key or for all keys", int_or_per_key(allow_none=False)),
-    _k("data", "max_seqs", "int", None, "maximum number of sequences per batch", optional_positive_int),
+    _k("data", "batch_size", "int | dict | callable", 5000, "frames per batch including padding (max_len * num_seqs), per key or for all keys; a callable f(*, epoch, epoch_continuous, seq_idx, **kw) gives it per sequence, as in RETURNN", batch_limit(int_or_per_key(allow_none=False))),
+    _k("data", "batch_size_train", "int | dict | callable", None, "batch_size for training only (RETURNN's); unset: batch_size", batch_limit(int_or_per_key())),
+    _k("data", "batch_size_dev", "int | dict | callable", None, "batch_size for evaluation and forwarding (RETURNN's); unset: batch_size", batch_limit(int_or_per_key())),
+    _k("data", "max_seqs", "int | callable", None, "maximum number of sequences per batch; a callable as for batch_size", batch_limit(optional_positive_int)),
     _k("data", "min_seq_length", "int | dict", None, "drop sequences shorter than this (per key or all keys)", int_or_per_key()),
     _k("data", "max_seq_length", "int | dict", None, "drop sequences longer than this (per key or all keys)", int_or_per_key()),
     _k("data", "chunking", "int | str | tuple | dict", None, "cut training sequences into chunks: size, 'size:step', (size, step), per-key dicts", chunking_spec),
