@@ -65,7 +65,6 @@ _OTHER: list[ReturnnKey] = [
     _n("use_horovod", "TensorFlow only", False, None),
     _n("patch_atfork", "RETURNN's fork handling", False, None),
     _n("EnableAutoNumpySharedMemPickling", "RETURNN's multiprocessing pickler", False, None),
-    _n("apply_cleanup_old_models_to_optim_states", "kit's cleanup_old_models always removes a checkpoint's optimizer file with it", True, False),
     _n("sprint_trainer_exec_path", "RASR/Sprint training", None),
     _u("PYTORCH_CUDA_ALLOC_CONF", "set the environment variable before starting Python"),
     _u("__debug_dummy_distributed_rank_and_size"),
@@ -151,7 +150,7 @@ _OTHER: list[ReturnnKey] = [
 
 # RETURNN keys that kit has under the same name with RETURNN's meaning
 _SAME = (
-    "accum_grad_multiple_step batch_size batch_size_dev batch_size_train chunking cleanup_old_models dev device "
+    "accum_grad_multiple_step apply_cleanup_old_models_to_optim_states batch_size batch_size_dev batch_size_train chunking cleanup_old_models dev device "
     "dynamic_learning_rate eval eval_datasets extern_data forward_auto_split_batch_on_oom forward_callback "
     "forward_data forward_step get_model grad_scaler gradient_clip gradient_clip_global_norm gradient_noise "
     "import_model_train_epoch1 learning_rate learning_rate_control learning_rate_control_error_measure "

@@ -362,6 +362,7 @@ _KEYS: list[Key] = [
     _k("checkpoints", "save_interval", "int", 1, "save a checkpoint every N epochs (and always the final one)", positive_int),
     _k("checkpoints", "save_every_n_steps", "int", None, "also save a step checkpoint every N train steps", optional_positive_int),
     _k("checkpoints", "cleanup_old_models", "bool | dict", None, "keep_last_n, keep_best_n, keep, dry_run", cleanup_spec),
+    _k("checkpoints", "apply_cleanup_old_models_to_optim_states", "bool", False, "RETURNN's: False keeps the optimizer states of the last two epochs only (epoch N's save deletes N-2's .opt.pt); True leaves them to cleanup_old_models", boolean),
     _k("checkpoints", "preload_from_files", "dict", None, "name -> {filename, prefix, checkpoint_key, ignore_params, ..., init_for_train}", preload_spec),
     _k("checkpoints", "load_model_post_hooks", "list", None, "callables f(*, model, **kw) run after loading weights"),
     _k("checkpoints", "load", "str", None, "checkpoint file to start from"),
