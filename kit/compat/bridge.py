@@ -40,12 +40,13 @@ class ReturnnBridge:
         raw: dict[str, Any] = {}
         device: Any = "cpu"
         for key, field in batch.items():
-            raw[key] = field.tensor
-            device = field.tensor.device
+            raw[key] = field.tensor  # a string key: numpy's str array, as RETURNN's collate leaves it
+            if isinstance(field.tensor, torch.Tensor):
+                device = field.tensor.device
             if field.lengths is not None:
                 raw[f"{key}:seq_len"] = field.lengths
         if "seq_tag" in self.template.data and "seq_tag" not in raw:
-            raw["seq_tag"] = numpy.array([str(t) for t in getattr(batch, "seq_tags", [])])
+            raw["seq_tag"] = numpy.array([str(t) for t in getattr(batch, "seq_tags", [])], dtype=str)
         tensors = extern_data_util.raw_dict_to_extern_data(
             raw, extern_data_template=self.template, device=device, with_eval_targets=not forward
         )
