@@ -5,7 +5,9 @@
 - :mod:`kit.compat.imports`: ``import returnn...`` in a config without RETURNN installed;
 - :mod:`kit.compat.step`, :mod:`kit.compat.bridge`: RETURNN-style user functions adapted for kit;
 - :mod:`kit.compat.returnn_keys`: every RETURNN config key and kit's status for it;
-- :mod:`kit.compat.returnn_run`: continuing (and handing back) a RETURNN run directory.
+- :mod:`kit.compat.returnn_run`: continuing (and handing back) a RETURNN run directory;
+- :mod:`kit.compat.seeding`: RETURNN's frontend seeded where RETURNN's engine seeds it;
+- :mod:`kit.compat.run_files`: RETURNN's rule for old optimizer states in a run directory.
 
 The engine never sees any of it: :func:`adapt_config_values` rewrites what a config holds before
 kit reads it.

@@ -40,15 +40,18 @@ class ReturnnBridge:
         raw: dict[str, Any] = {}
         device: Any = "cpu"
         for key, field in batch.items():
-            raw[key] = field.tensor
-            device = field.tensor.device
+            raw[key] = field.tensor  # a string key: numpy's str array, as RETURNN's collate leaves it
+            if isinstance(field.tensor, torch.Tensor):
+                device = field.tensor.device
             if field.lengths is not None:
                 raw[f"{key}:seq_len"] = field.lengths
         if "seq_tag" in self.template.data and "seq_tag" not in raw:
-            raw["seq_tag"] = numpy.array([str(t) for t in getattr(batch, "seq_tags", [])])
-        return extern_data_util.raw_dict_to_extern_data(
+            raw["seq_tag"] = numpy.array([str(t) for t in getattr(batch, "seq_tags", [])], dtype=str)
+        tensors = extern_data_util.raw_dict_to_extern_data(
             raw, extern_data_template=self.template, device=device, with_eval_targets=not forward
         )
+        with_kit_names(tensors)
+        return tensors
 
     def run(self, fn: Callable[..., Any], *, model: Any, batch: Mapping[str, Any], ctx: RunCtx, **kwargs: Any) -> Any:
         import returnn.frontend as rf  # type: ignore[import]
@@ -70,6 +73,54 @@ class ReturnnBridge:
         finally:
             rf_run_ctx.reset_run_ctx()
         return result
+
+
+_kit_tensor_class: list[type] = []
+
+
+def kit_tensor_class() -> type:
+    """RETURNN's ``Tensor`` with kit's field names added (``tensor``, ``lengths``, ``mask()``, ``num_frames()``)."""
+    if not _kit_tensor_class:
+        from returnn.tensor import Tensor  # type: ignore[import]
+
+        class KitNamedTensor(Tensor):  # type: ignore[misc,valid-type]
+            """A RETURNN ``Tensor`` that a kit-style step function can read too."""
+
+            __slots__ = ()
+
+            @property
+            def tensor(self) -> torch.Tensor:
+                return self.raw_tensor
+
+            @property
+            def lengths(self) -> torch.Tensor | None:
+                dynamic = [d for d in self.dims if d.is_dynamic() and not d.is_batch_dim()]
+                if not dynamic or dynamic[0].dyn_size_ext is None:
+                    return None
+                return dynamic[0].dyn_size_ext.raw_tensor
+
+            def mask(self) -> torch.Tensor:
+                lengths = self.lengths
+                if lengths is None:
+                    raise ValueError(f"{self!r} has no time axis, so it has no mask")
+                raw = self.raw_tensor
+                time = torch.arange(raw.shape[1], device=raw.device)
+                return time[None, :] < lengths.to(raw.device)[:, None]
+
+            def num_frames(self) -> int:
+                lengths = self.lengths
+                return int(lengths.sum()) if lengths is not None else int(self.raw_tensor.shape[0])
+
+        _kit_tensor_class.append(KitNamedTensor)
+    return _kit_tensor_class[0]
+
+
+def with_kit_names(tensors: Any) -> None:
+    """Give each tensor of RETURNN's ``TensorDict`` kit's field names too (its class becomes a subclass)."""
+    cls = kit_tensor_class()
+    for tensor in tensors.data.values():
+        if type(tensor) is cls.__base__:
+            tensor.__class__ = cls
 
 
 def _raw(value: Any) -> Any:

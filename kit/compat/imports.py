@@ -20,7 +20,45 @@ from collections.abc import Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
+from kit.errors import KitError
+
 logger = logging.getLogger("kit")
+
+INSTALL_HINT = "pip install returnn dm-tree (or: pip install 'kit-train[returnn]')"
+
+
+class ReturnnRequired(KitError, AttributeError):
+    """A config uses a part of RETURNN that kit's stand-in does not provide, and RETURNN is not installed.
+
+    An ``AttributeError`` too, so that ``hasattr`` and ``getattr(..., default)`` on the stand-in keep working.
+    """
+
+    def __init__(self, name: str):
+        self.what = name
+        super().__init__(
+            f"{name} needs RETURNN itself, which is not installed (kit stands in only for RETURNN's run "
+            f"context, tensor views and a few returnn.util.basic helpers): {INSTALL_HINT}"
+        )
+
+
+def missing_attribute(module: str, name: str) -> AttributeError:
+    """The error a stand-in module's ``__getattr__`` raises for ``name``."""
+    if name.startswith("__"):
+        return AttributeError(f"module {module!r} has no attribute {name!r}")
+    return ReturnnRequired(f"{module}.{name}")
+
+
+def returnn_missing(exc: BaseException) -> ReturnnRequired | None:
+    """``exc`` (or an exception in its chain) as a :class:`ReturnnRequired`, when it stems from RETURNN being absent."""
+    seen = 0
+    while exc is not None and seen < 20:
+        if isinstance(exc, ReturnnRequired):
+            return exc
+        name = getattr(exc, "name", None)
+        if isinstance(exc, ModuleNotFoundError) and isinstance(name, str) and name.split(".")[0] == "returnn":
+            return ReturnnRequired(f"module {name}")
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1  # type: ignore[assignment]
+    return None
 
 FALLBACK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fallback")
 _lock = threading.RLock()

@@ -16,8 +16,11 @@ Statuses:
 from __future__ import annotations
 
 import logging
+import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kit.config.keys import KEYS
@@ -62,7 +65,6 @@ _OTHER: list[ReturnnKey] = [
     _n("use_horovod", "TensorFlow only", False, None),
     _n("patch_atfork", "RETURNN's fork handling", False, None),
     _n("EnableAutoNumpySharedMemPickling", "RETURNN's multiprocessing pickler", False, None),
-    _n("apply_cleanup_old_models_to_optim_states", "kit's cleanup_old_models always removes a checkpoint's optimizer file with it", True, False),
     _n("sprint_trainer_exec_path", "RASR/Sprint training", None),
     _u("PYTORCH_CUDA_ALLOC_CONF", "set the environment variable before starting Python"),
     _u("__debug_dummy_distributed_rank_and_size"),
@@ -102,7 +104,11 @@ _OTHER: list[ReturnnKey] = [
     _u("output_per_seq_file_format"),
     _u("output_per_seq_format"),
     _u("packed_batch_cost"),
+    _u("packed_batch_cost_dev", "packed_batch_cost for evaluation"),
+    _u("packed_batch_cost_train", "packed_batch_cost for training"),
     _u("packed_batch_size"),
+    _u("packed_batch_size_dev", "packed_batch_size for evaluation"),
+    _u("packed_batch_size_train", "packed_batch_size for training"),
     _u("packed_fallback_allowed"),
     _u("pretrain_learning_rate"),
     _u("reset_dev_memory_caches"),
@@ -144,7 +150,7 @@ _OTHER: list[ReturnnKey] = [
 
 # RETURNN keys that kit has under the same name with RETURNN's meaning
 _SAME = (
-    "accum_grad_multiple_step batch_size chunking cleanup_old_models dev device "
+    "accum_grad_multiple_step apply_cleanup_old_models_to_optim_states batch_size batch_size_dev batch_size_train chunking cleanup_old_models dev device "
     "dynamic_learning_rate eval eval_datasets extern_data forward_auto_split_batch_on_oom forward_callback "
     "forward_data forward_step get_model grad_scaler gradient_clip gradient_clip_global_norm gradient_noise "
     "import_model_train_epoch1 learning_rate learning_rate_control learning_rate_control_error_measure "
@@ -216,6 +222,37 @@ def warn_unsupported(names: list[str], source: str | None = None) -> str | None:
     text = f"RETURNN {what} {listed} {verb} not supported by kit; ignored{where}"
     logger.warning(text)
     return text
+
+
+# where RETURNN's torch path reads its config (relative to the returnn package)
+TORCH_PATH_SOURCES = ("__main__.py", "learning_rate_control.py", "torch", "datasets/basic.py")
+_READ = re.compile(
+    r"""config\.(?:typed_value|value|bool|int|float|list|dict|opt_typed_value|bool_or_other|has|is_true|"""
+    r"""float_list|int_list|is_typed)\(\s*(f?)["']([A-Za-z_][A-Za-z0-9_]*)(\{[^}]*\})?([A-Za-z0-9_]*)["']"""
+)
+
+
+def returnn_config_reads(package_dir: str | os.PathLike[str]) -> set[str]:
+    """The config keys RETURNN's torch path reads, found in its source (``package_dir``: the ``returnn``
+    package); an f-string key ``batch_size_{'train' if train else 'dev'}`` counts as both of its forms."""
+    root = Path(package_dir)
+    files: list[Path] = []
+    for rel in TORCH_PATH_SOURCES:
+        path = root / rel
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.is_file() else []
+    keys: set[str] = set()
+    for path in files:
+        for fmt, head, field, tail in _READ.findall(path.read_text(encoding="utf-8", errors="replace")):
+            if fmt and field:
+                keys |= {head + part + tail for part in re.findall(r"'([A-Za-z0-9_]*)'", field)} or {head + tail}
+            else:
+                keys.add(head + tail)
+    return keys
+
+
+def missing_returnn_keys(package_dir: str | os.PathLike[str]) -> list[str]:
+    """RETURNN torch-path keys in neither kit's registry nor this table (each would be ignored without a warning)."""
+    return sorted(k for k in returnn_config_reads(package_dir) if k not in RETURNN_KEYS and k not in KEYS)
 
 
 def returnn_keys_markdown() -> str:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kit.compat.imports import is_fallback_module, returnn_imports
+from kit.compat.seeding import apply_pending_seed
 from kit.compat.tensor import batch_view
 from kit.engine.user_code import keyword_names
 from kit.run_ctx import get_run_ctx
@@ -32,13 +33,35 @@ STEP_KEYS = ("train_step", "forward_step")
 
 
 def uses_returnn(fn: Any) -> bool:
-    """Whether ``fn``'s module globals hold something from RETURNN (or kit's stand-in for it)."""
+    """Whether ``fn`` is RETURNN-style: its module globals hold something from RETURNN (or kit's
+    stand-in for it), or its code (or a function of its module that it calls) imports ``returnn``.
+
+    So the batch a step function gets does not depend on where its config imports RETURNN.
+    """
+    fn = getattr(fn, "__func__", fn)
     namespace = getattr(fn, "__globals__", None)
-    if namespace is None:
-        namespace = getattr(getattr(fn, "__func__", None), "__globals__", None)
     if not isinstance(namespace, Mapping):
         return False
-    return any(_is_returnn_object(v) for v in list(namespace.values()))
+    if any(_is_returnn_object(v) for v in list(namespace.values())):
+        return True
+    code = getattr(fn, "__code__", None)
+    return isinstance(code, types.CodeType) and _imports_returnn(code, namespace, set())
+
+
+def _imports_returnn(code: types.CodeType, namespace: Mapping[str, Any], seen: set[int]) -> bool:
+    """Whether ``code`` (its nested code, or a module-level function it names) imports ``returnn``."""
+    if id(code) in seen:
+        return False
+    seen.add(id(code))
+    for name in code.co_names:
+        if name == "returnn" or name.startswith("returnn."):
+            return True
+        called = namespace.get(name)
+        inner = getattr(called, "__code__", None)
+        if isinstance(inner, types.CodeType) and getattr(called, "__globals__", None) is namespace:
+            if _imports_returnn(inner, namespace, seen):
+                return True
+    return any(isinstance(c, types.CodeType) and _imports_returnn(c, namespace, seen) for c in code.co_consts)
 
 
 def _is_returnn_object(value: Any) -> bool:
@@ -83,6 +106,7 @@ def _get_model_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
         with returnn_imports() as fallback:
             if not fallback:
                 _select_rf_backend()
+                apply_pending_seed()  # a config that imports returnn only inside get_model
             model = fn(**_accepted(fn, kwargs))
             return model if fallback else _as_torch_module(model)
 

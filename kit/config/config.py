@@ -23,7 +23,7 @@ from kit.errors import ConfigError
 
 _MISSING = object()
 
-IntKeyWithoutDefault = Literal["max_seqs", "newbob_multi_update_interval", "save_every_n_steps", "load_epoch"]
+IntKeyWithoutDefault = Literal["newbob_multi_update_interval", "save_every_n_steps", "load_epoch"]
 FloatKeyWithoutDefault = Literal[
     "newbob_relative_error_grow_threshold", "gradient_clip",
     "gradient_clip_global_norm", "gradient_clip_norm", "gradient_noise",
@@ -56,6 +56,24 @@ def _value_problems(items: Mapping[str, Any]) -> list[str]:
         if expected is not None:
             problems.append(f"config key '{name}': got {value!r}, expected {expected}")
     return problems
+
+
+def _config_run_error(path: str, code: types.CodeType, exc: Exception) -> tuple[ConfigError, bool]:
+    """The error for a config file that raised ``exc`` while it ran (where in the file, and what), and
+    whether that message says all (a use of RETURNN that kit's stand-in cannot answer: what to install).
+    """
+    from kit.compat.imports import returnn_missing
+
+    tb, line = exc.__traceback__, None
+    while tb is not None:  # the innermost line of the config file itself
+        if tb.tb_frame.f_code.co_filename == code.co_filename:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    where = f"config file '{path}'" + (f", line {line}" if line is not None else "")
+    missing = returnn_missing(exc)
+    if missing is not None:
+        return ConfigError(f"{where}: {missing}"), True
+    return ConfigError(f"{where}: running it raised {type(exc).__name__}: {exc}"), False
 
 
 class Config(Mapping[str, Any]):
@@ -95,7 +113,9 @@ class Config(Mapping[str, Any]):
                 f"config file '{path}': cannot read it (not UTF-8 text: {exc.reason})"
             ) from None
         # '#!rnn.py' (RETURNN's marker) and shebangs are Python comments already; nothing to strip.
-        namespace: dict[str, Any] = {"__file__": os.path.abspath(path), "__name__": "__kit_config__"}
+        # __file__ as given, as RETURNN sets it: a config deriving paths from it (the run directory) gets
+        # RETURNN's paths when started from the same folder with the same relative path
+        namespace: dict[str, Any] = {"__file__": path, "__name__": "__kit_config__"}
         code = compile(source, path, "exec")  # a SyntaxError names the file and line itself
         from kit import compat
 
@@ -103,9 +123,8 @@ class Config(Mapping[str, Any]):
             with compat.returnn_imports():  # `import returnn.frontend` works without RETURNN installed
                 exec(code, namespace)  # noqa: S102 - the user's own config file, like RETURNN
         except Exception as exc:
-            raise ConfigError(
-                f"config file '{path}': running it raised {type(exc).__name__}: {exc} (traceback above)"
-            ) from exc
+            error, own = _config_run_error(path, code, exc)
+            raise error from (None if own else exc)
         compat.note_fallback_used(path)
         known, user, problems = {}, {}, []
         for name, value in namespace.items():

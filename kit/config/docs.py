@@ -1,7 +1,10 @@
 """Write (or check) ``docs/config.md`` from the config key registry.
 
-python -m kit.config.docs            # rewrite docs/config.md
+python -m kit.config.docs            # rewrite docs/config.md (and docs/returnn_keys.md)
 python -m kit.config.docs --check    # exit 1 when docs/config.md is stale
+
+With RETURNN installed, the keys its torch path reads (found in its source) must all be in
+kit/compat/returnn_keys.py's table or kit's registry, else nothing is written and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.path == DEFAULT_PATH:  # the checkout's docs: RETURNN's key table too
         from kit.compat.returnn_keys import returnn_keys_markdown
 
+        if _missing_returnn_keys():
+            return 1
         if _write_or_check(RETURNN_KEYS_PATH, returnn_keys_markdown(), check=args.check):
             return 1
     want = expected_text()
@@ -51,6 +56,26 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{args.path} is up to date")
     return 0
+
+
+def _missing_returnn_keys() -> bool:
+    """With RETURNN installed: name the keys its torch path reads that kit's RETURNN table lacks (True if any).
+
+    Without RETURNN nothing is checked (the table is written as it stands)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("returnn")
+    if spec is None or not spec.submodule_search_locations:
+        print("RETURNN is not installed: its config reads were not checked against the table", file=sys.stderr)
+        return False
+    from kit.compat.returnn_keys import missing_returnn_keys
+
+    package = list(spec.submodule_search_locations)[0]
+    missing = missing_returnn_keys(package)
+    if missing:
+        print(f"RETURNN ({package}) reads config keys that kit/compat/returnn_keys.py does not list: "
+              f"{', '.join(missing)}; add each (a kit key, translated, no effect or unsupported)", file=sys.stderr)
+    return bool(missing)
 
 
 def _write_or_check(path: Path, want: str, *, check: bool) -> bool:

@@ -102,6 +102,18 @@ def int_or_per_key(allow_none: bool = True) -> Check:
     return check
 
 
+def batch_limit(check: Check) -> Check:
+    """``check``, or a callable (RETURNN calls it per sequence with ``epoch``, ``epoch_continuous``, ``seq_idx``)."""
+
+    def either(v: Any) -> str | None:
+        if callable(v) and not isinstance(v, type):
+            return None
+        problem = check(v)
+        return None if problem is None else f"{problem}, or a function f(*, epoch, epoch_continuous, seq_idx, **kwargs)"
+
+    return either
+
+
 def int_or_callable(v: Any) -> str | None:
     return None if callable(v) or (_is_int(v) and v > 0) else "a positive int or a callable"
 
@@ -290,8 +302,10 @@ _KEYS: list[Key] = [
     _k("data", "eval", "dataset", None, "eval dataset; evaluated after each train epoch", dataset_spec),
     _k("data", "eval_datasets", "dict", None, "name -> dataset, evaluated after each train epoch", eval_datasets_spec),
     _k("data", "forward_data", "dataset", None, "dataset for `python -m kit forward`", dataset_spec),
-    _k("data", "batch_size", "int | dict", 5000, "frames per batch including padding (max_len * num_seqs), per key or for all keys", int_or_per_key(allow_none=False)),
-    _k("data", "max_seqs", "int", None, "maximum number of sequences per batch", optional_positive_int),
+    _k("data", "batch_size", "int | dict | callable", 5000, "frames per batch including padding (max_len * num_seqs), per key or for all keys; a callable f(*, epoch, epoch_continuous, seq_idx, **kw) gives it per sequence, as in RETURNN", batch_limit(int_or_per_key(allow_none=False))),
+    _k("data", "batch_size_train", "int | dict | callable", None, "batch_size for training only (RETURNN's); unset: batch_size", batch_limit(int_or_per_key())),
+    _k("data", "batch_size_dev", "int | dict | callable", None, "batch_size for evaluation and forwarding (RETURNN's); unset: batch_size", batch_limit(int_or_per_key())),
+    _k("data", "max_seqs", "int | callable", None, "maximum number of sequences per batch; a callable as for batch_size", batch_limit(optional_positive_int)),
     _k("data", "min_seq_length", "int | dict", None, "drop sequences shorter than this (per key or all keys)", int_or_per_key()),
     _k("data", "max_seq_length", "int | dict", None, "drop sequences longer than this (per key or all keys)", int_or_per_key()),
     _k("data", "chunking", "int | str | tuple | dict", None, "cut training sequences into chunks: size, 'size:step', (size, step), per-key dicts", chunking_spec),
@@ -356,6 +370,7 @@ _KEYS: list[Key] = [
     _k("checkpoints", "save_interval", "int", 1, "save a checkpoint every N epochs (and always the final one)", positive_int),
     _k("checkpoints", "save_every_n_steps", "int", None, "also save a step checkpoint every N train steps", optional_positive_int),
     _k("checkpoints", "cleanup_old_models", "bool | dict", None, "keep_last_n, keep_best_n, keep, dry_run", cleanup_spec),
+    _k("checkpoints", "apply_cleanup_old_models_to_optim_states", "bool", False, "RETURNN's: False keeps the optimizer states of the last two epochs only (epoch N's save deletes N-2's .opt.pt); True leaves them to cleanup_old_models", boolean),
     _k("checkpoints", "preload_from_files", "dict", None, "name -> {filename, prefix, checkpoint_key, ignore_params, ..., init_for_train}", preload_spec),
     _k("checkpoints", "load_model_post_hooks", "list", None, "callables f(*, model, **kw) run after loading weights"),
     _k("checkpoints", "load", "str", None, "checkpoint file to start from"),

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from kit.data.batch import Batch, Field
+from kit.data.batch import Batch, Field, StringField
 from kit.data.dataset import (
     ArrayDataset,
     Dataset,
@@ -39,6 +39,7 @@ __all__ = [
     "DistributeFilesDataset",
     "ExternData",
     "Field",
+    "StringField",
     "GeneratorDataset",
     "HDFDataset",
     "MetaDataset",

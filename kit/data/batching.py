@@ -279,6 +279,49 @@ def plan_batches(
     return _greedy_loop([(col.tolist(), lim) for col, lim in cols], num_entries, max_seqs)
 
 
+def plan_batches_by_seq(
+    lens: Mapping[str, np.ndarray],
+    seq_idx: np.ndarray,
+    order: np.ndarray,
+    epoch: int,
+    batch_size: Any,
+    max_seqs: Any,
+) -> list[tuple[int, int]]:
+    """:func:`plan_batches`' greedy rule with limits that a function gives per sequence (RETURNN's callable
+    ``batch_size`` / ``max_seqs``), called as RETURNN calls them: ``f(epoch=, epoch_continuous=, seq_idx=)``,
+    ``seq_idx`` the sequence's position in the epoch's order, ``epoch_continuous`` ``epoch - 1`` plus the
+    float32 fraction of the order done with it."""
+    keys = list(lens)
+    cols = {k: lens[k].tolist() for k in keys}
+    where = np.empty(int(order.max()) + 1 if len(order) else 0, dtype=np.int64)
+    where[order] = np.arange(len(order))
+    positions = where[seq_idx].tolist()
+
+    def limit(value: Any, pos: int) -> Any:
+        if not callable(value):
+            return value
+        frac = float(np.float32((pos + 1) / len(order)))
+        return value(epoch=epoch, epoch_continuous=epoch - 1 + frac, seq_idx=pos)
+
+    ranges, start, maxima = [], 0, dict.fromkeys(keys, 0)
+    for j, pos in enumerate(positions):
+        sizes = per_key(limit(batch_size, pos), keys, "batch_size")
+        seqs = limit(max_seqs, pos)
+        seqs = sys.maxsize if seqs in (None, -1) else int(seqs)
+        if seqs < 1 or any(v < 1 for v in sizes.values()):
+            raise ConfigError(f"batch_size / max_seqs: the function gave {sizes or seqs!r} for seq_idx {pos}; "
+                              "expected positive limits")
+        n = j - start
+        if n and (n >= seqs or any(max(maxima[k], cols[k][j]) * (n + 1) > lim for k, lim in sizes.items())):
+            ranges.append((start, j))
+            start, maxima = j, dict.fromkeys(keys, 0)
+        for k in keys:
+            maxima[k] = max(maxima[k], cols[k][j])
+    if len(positions) > start:
+        ranges.append((start, len(positions)))
+    return ranges
+
+
 def _fixed_size(num_entries: int, max_seqs: int) -> list[tuple[int, int]]:
     """Batches of ``max_seqs`` entries: the greedy plan when no frame budget binds, without its loop."""
     starts = range(0, num_entries, max_seqs)

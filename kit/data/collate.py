@@ -22,7 +22,7 @@ import torch
 import torch.utils.data
 
 from kit.data import packed as packing
-from kit.data.batch import Batch, Field
+from kit.data.batch import Batch, Field, StringField
 from kit.data.batching import Entry, EpochEntries, PlannedBatch
 from kit.data.block import BlockMemory, gather_block
 from kit.data.dataset import TorchDataset, as_numpy
@@ -30,6 +30,8 @@ from kit.data.extern_data import DataSpec, ExternData, check_array, kind_ok, lab
 from kit.data.first_sight import FirstSight, all_plain, plain_dicts
 from kit.data.gather import PackedGather, allocate
 from kit.errors import DataError
+
+STRING_KINDS = "USO"  # numpy kinds of str, bytes and object arrays: a StringField each
 
 
 class SeqTags(Sequence[str]):
@@ -212,6 +214,8 @@ def collate(
     keys += [k for k in seqs[0] if k not in keys]
     known = lengths or {}
     plans = [_plan(key, seqs, tags, extern_data, validated, known.get(key)) for key in keys]
+    strings = {p.key: StringField(p.flat) for p in plans if p.flat.dtype.kind in STRING_KINDS}  # not for torch
+    plans = [p for p in plans if p.key not in strings]
     shapes = [(p.shape, p.dtype) for p in plans]
     shapes += [((len(seqs),), np.dtype(np.int32)) for p in plans if p.lengths is not None]
     shared = torch.utils.data.get_worker_info() is not None
@@ -225,6 +229,8 @@ def collate(
             arrays[e][:] = p.lengths
             length_tensor = tensors[e]
         fields[p.key] = Field(tensors[j], length_tensor, p.spec.sparse_dim if p.spec is not None else None)
+    if strings:
+        fields = {key: strings.get(key) or fields[key] for key in keys}  # the keys' order
     return fields
 
 

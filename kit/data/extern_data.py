@@ -34,6 +34,10 @@ _KNOWN = {
 }
 
 
+STRING = np.dtype(object)
+"""The dtype of a key declared ``"dtype": "string"`` (RETURNN's): str arrays are kept as they come (kind U, S or O)."""
+
+
 @dataclass(frozen=True)
 class DataSpec:
     """One data key: ``shape`` with None for the time axis, numpy ``dtype``, ``sparse_dim``."""
@@ -96,7 +100,7 @@ def _parse_key(key: str, spec: Any) -> tuple[DataSpec | None, list[str]]:
         return None, problems + [f"{where}: needs 'shape' (e.g. (None, 40)) or RETURNN's 'dim'"]
     default_dtype = "int64" if sparse_dim is not None else "float32"
     try:
-        dtype = np.dtype(spec.get("dtype") or default_dtype)
+        dtype = STRING if spec.get("dtype") == "string" else np.dtype(spec.get("dtype") or default_dtype)
     except TypeError:
         return None, problems + [f"{where}: unknown dtype {spec.get('dtype')!r}"]
     if sparse_dim is not None and dtype.kind not in "iu":
@@ -174,7 +178,7 @@ def check_array(spec: DataSpec, a: np.ndarray, tag: str, *, check_sparse: bool =
             raise _fail(
                 spec, a, tag, "sparse label out of range", f"labels in [0, {spec.sparse_dim})", f"label {bad}"
             )
-    return a if a.dtype == spec.dtype else a.astype(spec.dtype)
+    return a if a.dtype == spec.dtype or spec.dtype == STRING else a.astype(spec.dtype)
 
 
 def _fail(spec: DataSpec, a: np.ndarray, tag: str, what: str, expected: Any, received: Any) -> DataError:
@@ -191,7 +195,7 @@ def _check_layout(spec: DataSpec, a: np.ndarray, tag: str) -> None:
         if want is not None and want != got:
             raise _fail(spec, a, tag, f"wrong size of axis {axis}", want, got)
     if not kind_ok(spec, a.dtype):
-        kind = "float" if spec.dtype.kind == "f" else "int"
+        kind = {"f": "float", "O": "string"}.get(spec.dtype.kind, "int")
         raise _fail(spec, a, tag, "wrong dtype kind", f"{spec.dtype} ({kind})", a.dtype)
 
 
@@ -204,7 +208,7 @@ def layout_ok(spec: DataSpec, a: np.ndarray) -> bool:
     return a.dtype == spec.dtype or kind_ok(spec, a.dtype)
 
 
-_ACCEPTED_KINDS = {"f": "f", "i": "iu", "u": "iu", "b": "b", "c": "c"}  # declared kind -> accepted kinds
+_ACCEPTED_KINDS = {"f": "f", "i": "iu", "u": "iu", "b": "b", "c": "c", "O": "USO"}  # declared kind -> accepted
 
 
 def kind_ok(spec: DataSpec, dtype: np.dtype) -> bool:

@@ -62,14 +62,15 @@ def _resolve_class(name: Any) -> type:
     return obj
 
 
-def make_dataset(obj: Any, **defaults: Any) -> Dataset:
+def make_dataset(obj: Any, *, returnn_defaults: Mapping[str, Any] | None = None, **defaults: Any) -> Dataset:
     """Return ``obj`` if it is a dataset; build one from ``{"class": name, **opts}``.
 
     RETURNN's dataset classes come by their names: HDFDataset, MetaDataset, StaticDataset,
     ConcatDataset, DistributeFilesDataset and Task12AXDataset natively; with RETURNN installed,
     any other RETURNN class (and a RETURNN dataset object) through :class:`ReturnnDataset`.
     A map-style ``torch.utils.data.Dataset`` is wrapped in :class:`TorchDataset`.
-    ``defaults`` (e.g. ``name=``) fill options the dict does not set.
+    ``defaults`` (e.g. ``name=``) fill options the dict does not set; ``returnn_defaults`` those of a
+    dict that RETURNN's own class reads (RETURNN's eval defaults for a dev dataset, say).
 
     >>> make_dataset({"class": "Task12AXDataset", "num_seqs": 10}).num_seqs
     10
@@ -86,7 +87,7 @@ def make_dataset(obj: Any, **defaults: Any) -> Dataset:
             )
         cls = _resolve_class(opts.pop("class"))
         if cls is ReturnnDataset and obj.get("class") != "ReturnnDataset":
-            return ReturnnDataset(dict(obj), name=defaults.get("name"))
+            return ReturnnDataset(dict(obj), name=defaults.get("name"), default_kwargs=returnn_defaults)
         for k, v in defaults.items():
             opts.setdefault(k, v)
         _check_options(cls, opts)

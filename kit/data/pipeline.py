@@ -151,7 +151,7 @@ class Pipeline:
         loader_opts = dict(cfg.typed_value("torch_dataloader_opts") or {})
         kwargs: dict[str, Any] = {
             "extern_data": cfg.typed_value("extern_data"),
-            "batch_size": cfg.typed_value("batch_size"),
+            "batch_size": _batch_size(cfg, train),
             "max_seqs": cfg.typed_value("max_seqs"),
             "min_seq_length": cfg.typed_value("min_seq_length"),
             "max_seq_length": cfg.typed_value("max_seq_length"),
@@ -232,7 +232,10 @@ class Pipeline:
             raise DataError(f"dataset {name}: epoch {epoch} has no sequences (partition_epoch / seq_indices)")
         entries = self._plan_entries(order, epoch, name)
         lens = batching.span_lengths(entries.seq_idx, entries.spans, self._seq_lengths())
-        ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
+        if callable(self.batch_size) or callable(self.max_seqs):  # RETURNN's limits per sequence
+            ranges = batching.plan_batches_by_seq(lens, entries.seq_idx, order, epoch, self.batch_size, self.max_seqs)
+        else:
+            ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
         # complete_frac by position: it stays in order when the batches are shuffled (as in RETURNN)
         self._fracs = batching.complete_fracs(order, entries.seq_idx, ranges)
         if self.shuffle_buffer is not None:
@@ -387,3 +390,10 @@ def batches(
     pipe = Pipeline.from_config(dataset, config, train=train, **extra)
     pipe.set_epoch(epoch)
     return pipe
+
+
+def _batch_size(config: Config, train: bool) -> Any:
+    """``batch_size_train`` (training) or ``batch_size_dev`` (evaluation, forwarding) when set, else
+    ``batch_size``: RETURNN's choice."""
+    own = config.typed_value("batch_size_train" if train else "batch_size_dev")
+    return own if own is not None else config.typed_value("batch_size")

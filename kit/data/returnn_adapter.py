@@ -21,6 +21,10 @@ import numpy as np
 from kit.data.dataset import Dataset, SeqDict
 from kit.errors import ConfigError, DataError
 
+EVAL_DEFAULTS = {"seq_ordering": "sorted", "shuffle_frames_of_nseqs": 0}
+"""What RETURNN gives a dev / eval dataset dict that does not set them (its ``get_default_kwargs_eval``;
+chunking is kit's own, per key, so its ``chunking="0"`` has no place here)."""
+
 
 def returnn_installed() -> bool:
     """Whether ``returnn.datasets`` can be imported (checked without importing RETURNN itself)."""
@@ -53,14 +57,16 @@ class ReturnnDataset(Dataset):
     Args:
         dataset: a RETURNN ``Dataset`` or a RETURNN dataset dict (``{"class": ..., ...}``).
         name: shown in kit's error messages (default: RETURNN's name).
+        default_kwargs: options a dataset dict does not set (RETURNN's ``init_dataset(default_kwargs=)``),
+            e.g. :data:`EVAL_DEFAULTS` for a dev or eval dataset, as RETURNN gives them.
     """
 
-    def __init__(self, dataset: Any, *, name: str | None = None):
+    def __init__(self, dataset: Any, *, name: str | None = None, default_kwargs: Mapping[str, Any] | None = None):
         if isinstance(dataset, Mapping):
             from returnn.datasets import init_dataset  # type: ignore[import-untyped]
 
             try:
-                dataset = init_dataset(dict(dataset))
+                dataset = init_dataset(dict(dataset), default_kwargs=dict(default_kwargs or {}))
             except Exception as exc:  # RETURNN raises many types for bad options
                 raise ConfigError(f"RETURNN dataset {dataset.get('class')!r}: {type(exc).__name__}: {exc}") from exc
         if not is_returnn_dataset(dataset):

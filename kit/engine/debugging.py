@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from kit.data.batch import Batch, Field
+from kit.data.batch import Batch
 from kit.engine.accounting import StepLosses
 from kit.engine.user_code import module_call_stack
 from kit.events import Event, Events
@@ -217,14 +217,7 @@ def _weak_callable(fn: Callable[[DebugContext], None]) -> Callable[[DebugContext
 
 def cpu_copy(batch: Batch) -> Batch:
     """A CPU copy of ``batch`` (a context must not hold device memory, nor change when training goes on)."""
-    fields = {
-        k: Field(
-            f.tensor.detach().to("cpu", copy=True),
-            None if f.lengths is None else f.lengths.clone(),
-            f.sparse_dim,
-        )
-        for k, f in batch.fields.items()
-    }
+    fields = {k: f.cpu_copy() for k, f in batch.fields.items()}
     return Batch(
         fields, list(batch.seq_tags), list(batch.seq_idx), batch.epoch, batch.complete_frac, batch.batch_idx
     )

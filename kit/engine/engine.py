@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kit.compat.seeding import seed_returnn_frontend
 from kit.config import Config
 from kit.engine import build, distributed, parts, saving, step
 from kit.engine.accounting import EpochAccounting
@@ -356,7 +357,9 @@ class Engine:
         # randomness depends on (random_seed, epoch, global step) only, not on process history
         # (and on the rank: DDP ranks must not all draw the same dropout masks)
         rank = (b.dist.rank,) if b.dist and b.dist.rank else ()  # rank 0 draws as one process
-        seed_all(epoch_seed(p.epoch, p.global_train_step, self.config.int("random_seed"), *rank))  # RETURNN's
+        seed = epoch_seed(p.epoch, p.global_train_step, self.config.int("random_seed"), *rank)  # RETURNN's
+        seed_all(seed)
+        seed_returnn_frontend(seed)  # RETURNN's frontend too (rf.set_random_seed), as its engine does
         t.pipeline.set_epoch(p.epoch)
         t.accounting = EpochAccounting()
         p.begin_epoch()

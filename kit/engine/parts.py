@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kit.compat.seeding import seed_returnn_frontend
 from kit.config import Config
 from kit.engine.accounting import EpochAccounting
 from kit.engine.user_code import call_user
@@ -41,15 +42,17 @@ def build_datasets(config: Config) -> dict[str, Any]:
     for key in ("train", "dev", "eval"):
         value = config.typed_value(key)
         if value is not None:
-            out[key] = _make(make_dataset, value, key)
+            out[key] = _make(make_dataset, value, key, evaluated=key != "train")
     for name, value in (config.typed_value("eval_datasets") or {}).items():
-        out[f"eval_datasets.{name}"] = _make(make_dataset, value, f"eval_datasets[{name!r}]")
+        out[f"eval_datasets.{name}"] = _make(make_dataset, value, f"eval_datasets[{name!r}]", evaluated=True)
     return out
 
 
-def _make(make_dataset: Any, value: Any, key: str) -> Any:
+def _make(make_dataset: Any, value: Any, key: str, *, evaluated: bool) -> Any:
+    from kit.data.returnn_adapter import EVAL_DEFAULTS
+
     try:
-        return make_dataset(value)
+        return make_dataset(value, returnn_defaults=EVAL_DEFAULTS if evaluated else None)
     except (ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"config key '{key}': {exc}") from None
 
@@ -96,7 +99,9 @@ def create_model(config: Config, device: torch.device, epoch: int, step: int) ->
     get_model = config.typed_value("get_model")
     if get_model is None:
         raise ConfigError("config key 'get_model' is not set: expected get_model(*, epoch, step, **kwargs)")
-    seed_all(model_init_seed(config.int("random_seed"), epoch, step))
+    seed = model_init_seed(config.int("random_seed"), epoch, step)
+    seed_all(seed)
+    seed_returnn_frontend(seed)  # rf.Module parameters: RETURNN's initial weights
     model = call_user(get_model, "get_model", epoch=epoch, step=step)
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"config key 'get_model': returned {type(model).__name__}, expected a torch.nn.Module")

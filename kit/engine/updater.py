@@ -134,11 +134,11 @@ class Updater:
         if param_groups_custom is not None:
             groups = param_groups_custom(model=self.model, rf_model=_rf_module(self.model), optimizer_class=cls,
                                          optimizer_opts=dict(opts))
-            if not isinstance(groups, (list, tuple)) or not all(
-                isinstance(g, dict) and "params" in g for g in groups
-            ):
+            groups = list(groups) if isinstance(groups, Iterable) and not isinstance(groups, (str, dict)) else None
+            if not groups or not all(isinstance(g, dict) and "params" in g for g in groups):
                 raise ConfigError(
-                    "param_groups_custom must return a list of dicts, each with a 'params' entry"
+                    "param_groups_custom must return a non-empty list (or other iterable) of dicts, "
+                    "each with a 'params' entry"
                 )
             return [dict(g, params=list(g["params"])) for g in groups]
         if not opts.get("weight_decay"):
@@ -172,8 +172,10 @@ class Updater:
                         raise ConfigError(
                             f"weight_decay_custom_include_check returned {include!r} for {full_name!r}; expected True, False or None"
                         )
-                if include is None:
-                    include = not (local_name.endswith("bias") or isinstance(module, blacklist))
+                if include is None:  # RETURNN's rule; a blacklist may name rf module types too
+                    rf_module = _rf_module(module)
+                    include = not (local_name.endswith("bias") or isinstance(module, blacklist)
+                                   or (rf_module is not None and isinstance(rf_module, blacklist)))
                 (decay if include else no_decay)[full_name] = param
         # RETURNN sorts each group by parameter name (the optimizer state's order follows it)
         return [decay[n] for n in sorted(decay)], [no_decay[n] for n in sorted(no_decay)]
@@ -192,7 +194,9 @@ class Updater:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def _grads(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.parameters() if p.grad is not None]
+        """The parameters with a gradient in the model's order (``model.parameters()``), as RETURNN noises and
+        clips them: a global norm summed in another order (the optimizer's groups) differs in the last bits."""
+        return [p for p in self.model.parameters() if p.grad is not None]
 
     def apply_gradient_noise(self) -> None:
         """Add truncated-normal noise (config ``gradient_noise`` = stddev) to each gradient; no-op if unset."""
@@ -318,10 +322,17 @@ def _blacklist_types(items: Iterable[Any]) -> tuple[type, ...]:
     types = []
     for item in items:
         mod = resolve_dotted(item, "weight_decay_modules_blacklist") if isinstance(item, str) else item
-        if not (isinstance(mod, type) and issubclass(mod, torch.nn.Module)):
+        if not (isinstance(mod, type) and (issubclass(mod, torch.nn.Module) or _is_rf_module_type(mod))):
             raise ConfigError(f"weight_decay_modules_blacklist: {item!r} is not a torch.nn.Module subclass")
         types.append(mod)
     return tuple(types)
+
+
+def _is_rf_module_type(cls: type) -> bool:
+    """Whether ``cls`` is a RETURNN frontend module type (RETURNN's blacklist accepts those too)."""
+    rf = sys.modules.get("returnn.frontend")
+    base = getattr(rf, "Module", None) if rf is not None and not getattr(rf, "KIT_FALLBACK", False) else None
+    return isinstance(base, type) and issubclass(cls, base)
 
 
 def _clip_norm_setting(config: Config) -> float | None:

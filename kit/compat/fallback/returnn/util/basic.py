@@ -19,3 +19,10 @@ __all__ = [
     "human_size",
     "model_epoch_from_filename",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Anything else is RETURNN's own: one error saying what to install."""
+    from kit.compat.imports import missing_attribute
+
+    raise missing_attribute('returnn.util.basic', name)
