@@ -174,7 +174,7 @@ class Call:
         if len(ranks_at) != 1:  # never expected: the ranks agree on every stop
             owner.close(force=True)
             raise SessionStateError(f"the worker processes stopped at different steps ({sorted(ranks_at)})")
-        restore(parts, reply["state"], 1)
+        restore(parts, reply["state"])
         owner.synced = owner.marker()
         kind = reply["outcome"]
         if kind == "finished":
@@ -201,7 +201,7 @@ class Call:
         owner.close(force=True)  # the other ranks wait in a collective that never comes
         self.close_call()
         if failure.state is not None:
-            restore(parts, failure.state, owner.last_size)
+            restore(parts, failure.state)
         error: BaseException | None = None
         if failure.exception is not None:
             with contextlib.suppress(Exception):
@@ -215,21 +215,13 @@ class Call:
         raise error from wire.RemoteTraceback(f"(rank {failure.rank})\n{failure.traceback}")
 
 
-def restore(parts: SessionParts, data: bytes, world_size: int) -> None:
+def restore(parts: SessionParts, data: bytes) -> None:
     """A state sent home into the session's engine (its score table too); the history keeps its rows."""
-    state = wire.state_from_bytes(data, 1) if world_size == 1 else _as_single(data, world_size)
+    state = wire.state_from_bytes(data, 1)  # the kernel holds it in single-process terms
     engine = parts.engine
     engine.restore_state(state, announce=False)
     if state.scores is not None and engine.scores is not None:
         engine.scores.load_state_dict(json.loads(state.scores))
-
-
-def _as_single(data: bytes, world_size: int) -> Any:
-    """A rank's state (a failure's) as the kernel holds states: its data position in single-process terms."""
-    loaded = wire.state_from_bytes(data, 1)
-    if loaded.pipeline:
-        loaded.pipeline = {"epoch": loaded.pipeline["epoch"], "position": int(loaded.pipeline["position"]) * world_size}
-    return loaded
 
 
 # ---- the three ways a call runs ------------------------------------------------------------------
