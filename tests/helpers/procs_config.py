@@ -9,7 +9,6 @@ different masks), Adam. ``KIT_PROCS_STEP_SLEEP`` slows each step (a pause must l
 import os
 import time
 
-import torch
 from helpers import models as _models
 
 import kit
