@@ -153,3 +153,30 @@ def test_a_worker_error_is_the_sessions_with_its_traceback_and_a_replayable_cont
         # failing step's batches were taken (one per rank): the epoch goes on after them, 3 more steps per rank
         result = session.train_epoch(processes=2)
         assert result.outcome == "done" and result.global_train_step == 5
+
+
+def test_attach_follows_a_cli_run_and_pauses_it(tmp_path: Path) -> None:
+    prefix = tmp_path / "job" / "model"
+    env = {**_env(), "KIT_PROCS_STEP_SLEEP": "0.1"}
+    cmd = [sys.executable, "-m", "kit", "train", str(CONFIG), f"model={prefix}", "num_epochs=5", "log_every_n_steps=1"]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run = kit.attach(prefix)
+        deadline = time.monotonic() + 120
+        while len(run.history) < 14 and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # past the first epoch's end: a score row, a checkpoint
+        assert run.running, run.status
+        assert list(run.scores.index) == [1] and "dev_loss_ce" in run.scores.columns
+        assert run.checkpoints == ["model.001"]
+        run.pause()
+        assert run.wait(timeout=60).startswith("paused")
+        assert job.wait(timeout=60) == 138, job.stderr.read() if job.stderr else ""  # as after SIGUSR1
+    finally:
+        if job.poll() is None:
+            job.kill()
+    stopped = next(e for e in run.events if e["event"] == "request")
+    saved = run.events[-2]  # the step checkpoint, written after the stop, before the process' last line
+    assert saved["event"] == "checkpoint" and saved["kind"] == "step"
+    assert saved["global_train_step"] == stopped["global_train_step"] + 1  # the step it was in finished
+    assert [e["global_train_step"] for e in run.events if e["event"] == "step"] == list(range(saved["global_train_step"]))
+    assert not Path(f"{prefix}.request").exists()
