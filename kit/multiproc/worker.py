@@ -64,7 +64,7 @@ def _exit_with_parent(parent: int) -> None:
         while True:
             time.sleep(1.0)
             if os.getppid() != parent:
-                os._exit(1)
+                os.kill(os.getpid(), signal.SIGKILL)  # the process, from this thread
 
     threading.Thread(target=watch, name="kit-worker-parent-watch", daemon=True).start()
 
