@@ -71,36 +71,44 @@ def _spawned_not_forked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
-def test_two_then_one_then_two_processes_equal_the_cli_schedule(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def cli_schedule(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[dict, dict, dict]]:
+    """torchrun (2 ranks) for epoch 1, ``kit train`` (1 process) for epoch 2, torchrun for epoch 3, each resuming
+    from the last one's checkpoint: epoch → (weights, optimizer state, scores) after it."""
+    tmp_path = tmp_path_factory.mktemp("cli")
+    prefix = tmp_path / "cli" / "model"
+    out = {}
+    for epochs, processes in ((1, 2), (2, 1), (3, 2)):
+        _cli(tmp_path, prefix, epochs, processes)
+        model_file = torch.load(f"{prefix}.{epochs:03d}.pt", weights_only=True)
+        opt = torch.load(f"{prefix}.{epochs:03d}.opt.pt", weights_only=True)
+        out[epochs] = (model_file["model"], opt["optimizer"], _scores(kit.ScoreTable.load(f"{prefix}.scores.json")))
+    return out
+
+
+def test_two_then_one_then_two_processes_equal_the_cli_schedule(tmp_path: Path, cli_schedule) -> None:
     session = _session(tmp_path / "s" / "model")
     with session:
         first = session.train_epoch(processes=2)
         assert first.outcome == "done" and (first.epoch, first.step) == (2, 0)
         assert first.global_train_step == 6  # each rank's steps: 12 batches / 2
         assert list(session.history["global_train_step"]) == list(range(6))  # rank 0's steps, relayed live
-        statuses = multiproc.rank_status(session)
-        assert set(statuses) <= {0, 1}
+        assert set(multiproc.rank_status(session)) <= {0, 1}
+        _same_state(session, *cli_schedule[1][:2])
         second = session.train_epoch(processes=1)  # in this process: all 12 batches
         assert second.global_train_step == 18
+        _same_state(session, *cli_schedule[2][:2])
         third = session.train_epoch(processes=2)
         assert third.global_train_step == 24 and third.scores_epoch == 3
-        cli = tmp_path / "cli" / "model"
-        for epochs, processes in ((1, 2), (2, 1), (3, 2)):
-            _cli(tmp_path, cli, epochs, processes)
-        model_file = torch.load(f"{cli}.003.pt", weights_only=True)
-        opt = torch.load(f"{cli}.003.opt.pt", weights_only=True)
-        _same_state(session, model_file["model"], opt["optimizer"])
-        assert _scores(session.info().score_table) == _scores(kit.ScoreTable.load(f"{cli}.scores.json"))
+        weights, optimizer, scores = cli_schedule[3]
+        _same_state(session, weights, optimizer)
+        assert _scores(session.info().score_table) == scores
         assert (tmp_path / "s" / "model.003.pt").exists()  # rank 0 wrote the session's checkpoints
 
 
-def test_ctrl_c_pauses_every_rank_at_one_step_and_the_epoch_continues_exactly(tmp_path: Path,
-                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    with _session(tmp_path / "ref" / "model") as reference:
-        reference.train_epoch(processes=2)
-        weights = {k: v.clone() for k, v in reference.model.state_dict().items()}
-        optimizer = reference.optimizer.state_dict()
-        scores = _scores(reference.info().score_table)
+def test_ctrl_c_pauses_every_rank_at_one_step_and_the_epoch_continues_exactly(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli_schedule) -> None:
+    weights, optimizer, scores = cli_schedule[1]  # the uninterrupted two-process epoch
     monkeypatch.setenv("KIT_PROCS_STEP_SLEEP", "0.15")  # the workers read it when they start
     with _session(tmp_path / "p" / "model") as session:
         session.setup()
