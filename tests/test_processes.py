@@ -94,6 +94,9 @@ def test_two_then_one_then_two_processes_equal_the_cli_schedule(tmp_path: Path, 
         assert first.global_train_step == 6  # each rank's steps: 12 batches / 2
         assert list(session.history["global_train_step"]) == list(range(6))  # rank 0's steps, relayed live
         assert set(multiproc.rank_status(session)) <= {0, 1}
+        from kit.widgets.ranks import RankStrip
+
+        assert "rank 0" in RankStrip(session).html()  # the dashboard's per-rank strip
         _same_state(session, *cli_schedule[1][:2])
         second = session.train_epoch(processes=1)  # in this process: all 12 batches
         assert second.global_train_step == 18
