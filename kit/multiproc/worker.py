@@ -95,6 +95,7 @@ class Worker:
                 self.restore(call["state"])
             engine.set_final_epoch(call["final_epoch"])
             outcome, steps, last = self.drive(call["goal"], call["n"])
+            self.send_status(time.monotonic())  # where each rank stopped
             self.flush()
             state = self.state_home()
             engine.release_prefix_lock()
@@ -212,11 +213,11 @@ class Worker:
             self.pending.append(("event", "step_end", result))
         now = time.monotonic()
         if now - self.status_at >= STATUS_EVERY_SECS:
-            self.send_status(now, result)
+            self.send_status(now)
         if self.rank == 0 and now - self.sent_at >= EVENTS_EVERY_SECS:
             self.flush()
 
-    def send_status(self, now: float, result: Any) -> None:
+    def send_status(self, now: float) -> None:
         engine = self.engine
         memory = engine.memory_now()
         used = None
