@@ -11,6 +11,7 @@ come back as the session's, with the worker's traceback and a replayable DebugCo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -142,6 +143,36 @@ def test_pause_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         session.pause()
         result = session.wait()
         assert result.outcome == "paused" and result.mode == "background" and result.step < 6
+        done = asyncio.run(session.train_epoch_async())  # the awaitable form goes on with the same workers
+        assert done.outcome == "done" and done.mode == "awaitable" and done.global_train_step == 6
+        pids = multiproc.worker_pids(session)
+        assert len(pids) == 2
+    assert not any(_alive(pid) for pid in pids)  # closed with the session
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie waiting for its parent's wait() does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_no_worker_outlives_the_interpreter(tmp_path: Path) -> None:
+    script = tmp_path / "kernel.py"
+    script.write_text(f"""
+import kit
+if __name__ == "__main__":
+    session = kit.Session.from_config({str(CONFIG)!r}, model={str(tmp_path / 'model')!r}, live=False)
+    session.train_steps(1, processes=2)
+    print(*kit.multiproc.worker_pids(session))
+    # no session.close(): the interpreter ends with the workers running
+""")
+    proc = subprocess.run([sys.executable, str(script)], env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
 
 
 def test_a_worker_error_is_the_sessions_with_its_traceback_and_a_replayable_context(

@@ -6,8 +6,9 @@ torchrun); their events reach the session live, Pause stops every rank at the sa
 whole training state comes home when a call returns. See ``docs/processes.md``.
 """
 
-from kit.multiproc.driver import close, rank_status, startup_secs
+from kit.multiproc.driver import close, rank_status, startup_secs, worker_pids
 from kit.multiproc.pool import status_lines
 from kit.multiproc.wire import RankStatus, RemoteTraceback, WorkerError
 
-__all__ = ["RankStatus", "RemoteTraceback", "WorkerError", "close", "rank_status", "startup_secs", "status_lines"]
+__all__ = ["RankStatus", "RemoteTraceback", "WorkerError", "close", "rank_status", "startup_secs", "status_lines",
+           "worker_pids"]

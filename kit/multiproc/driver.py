@@ -343,6 +343,14 @@ def close(session: Any) -> None:
         found.close()
 
 
+def worker_pids(session: Any) -> list[int]:
+    """The process ids of ``session``'s workers, rank by rank; [] without workers."""
+    found = _OWNERS.get(session)
+    if found is None or found.pool is None:
+        return []
+    return [found.pool.pids[rank] for rank in sorted(found.pool.pids)]
+
+
 def startup_secs(session: Any) -> float | None:
     """How long the current workers took to start (spawn, import, join the group); None without workers."""
     found = _OWNERS.get(session)
