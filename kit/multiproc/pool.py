@@ -50,7 +50,11 @@ class WorkerPool:
         for process in self.processes:
             process.start()
         _OPEN.add(self)
-        self.startup_secs = self.wait_ready()
+        try:
+            self.startup_secs = self.wait_ready()
+        except BaseException:  # an interrupt while they start: none is left behind
+            self.close(force=True)
+            raise
 
     def wait_ready(self) -> float:
         """Until every rank joined the group; the seconds it took."""
