@@ -222,3 +222,16 @@ def test_attach_follows_a_cli_run_and_pauses_it(tmp_path: Path) -> None:
     assert saved["global_train_step"] == stopped["global_train_step"] + 1  # the step it was in finished
     assert [e["global_train_step"] for e in run.events if e["event"] == "step"] == list(range(saved["global_train_step"]))
     assert not Path(f"{prefix}.request").exists()
+
+
+def test_what_processes_refuses_before_starting_workers(tmp_path: Path) -> None:
+    with _session(tmp_path / "r" / "model") as session:
+        for bad in (0, -1, 2.0, True):
+            with pytest.raises(ValueError, match="processes must be an int >= 1"):
+                session.train_steps(1, processes=bad)
+        session.break_on(3)
+        with pytest.raises(kit.SessionStateError, match="break points"):
+            session.train_epoch(processes=2)
+        assert multiproc.worker_pids(session) == []  # nothing was started
+        session.break_on()
+        assert session.train_steps(1, processes=1).global_train_step == 1  # 1: this process, as without it

@@ -248,6 +248,9 @@ def train(session: Any, parts: SessionParts, driver: LoopDriver, goal: str, n: i
     size = procs.size(processes)
     if size == 1:
         return None
+    if parts.breakpoints.step is not None or parts.breakpoints.when is not None:
+        raise SessionStateError("break points stop a train call in this process: train with processes=1, or "
+                                "clear them with session.break_on()")
     if mode == "awaitable":
         return run_async(procs, goal, n, size, live)
     if mode == "background":
