@@ -84,6 +84,9 @@ def cli_schedule(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[di
         model_file = torch.load(f"{prefix}.{epochs:03d}.pt", weights_only=True)
         opt = torch.load(f"{prefix}.{epochs:03d}.opt.pt", weights_only=True)
         out[epochs] = (model_file["model"], opt["optimizer"], _scores(kit.ScoreTable.load(f"{prefix}.scores.json")))
+    log = kit.attach(prefix)  # the event log, written by rank 0 alone (under torchrun the ranks poll together)
+    log.refresh()
+    assert [e["goal"] for e in log.events if e["event"] == "run_begin"] == ["train"] * 3 and log.status == "done"
     return out
 
 
