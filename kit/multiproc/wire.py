@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kit.engine.accounting import StepLosses
-from kit.engine.state import TrainingState
+from kit.engine.state import TrainingState, cpu_copy
 from kit.engine.step import StepResult
 from kit.errors import KitError
 
@@ -50,6 +50,7 @@ def state_bytes(state: TrainingState, world_size: int) -> bytes:
     """A training state as bytes, its data position in single-process terms (``world_size`` ranks made it)."""
     form = state.to_file()
     form["pipeline"] = _position(form.get("pipeline"), world_size, 1)
+    form["accounting"] = cpu_copy(form.get("accounting"))  # capture() leaves the loss sums where they are
     form["grads"] = state.grads if state.progress.accum_count else None
     buffer = io.BytesIO()
     torch.save({"state": form, "weights": state.weights}, buffer)

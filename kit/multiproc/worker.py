@@ -173,6 +173,7 @@ class Worker:
     def state_home(self) -> bytes | None:
         """Rank 0's training state (mid-epoch with the loss sums of every rank so far), as bytes; None elsewhere."""
         from kit.engine.distributed import merge_accounting
+        from kit.engine.state import cpu_copy
 
         engine = self.engine
         running = engine.progress.epoch_running
@@ -181,7 +182,7 @@ class Worker:
         state = engine.capture()
         if running:  # every rank's sums so far, added in rank order (what a step checkpoint holds)
             sums: list[Any] = [None] * self.world_size
-            dist.all_gather_object(sums, state.accounting, group=self.control)
+            dist.all_gather_object(sums, cpu_copy(state.accounting), group=self.control)  # gloo: on the CPU
             state.accounting = merge_accounting(sums)
         return wire.state_bytes(state, self.world_size) if self.rank == 0 else None
 
