@@ -38,6 +38,7 @@ class Attached:
         self.events: list[dict[str, Any]] = []
         self._offset = 0
         self._partial = ""
+        self._asked_at = 0  # the events read when the last request was left (wait() looks after them)
 
     # ---- reading -----------------------------------------------------------------------------------
 
@@ -126,6 +127,8 @@ class Attached:
 
     def _request(self, what: str) -> None:
         assert what in REQUESTS
+        self.refresh()
+        self._asked_at = len(self.events)
         path = request_path(self.prefix)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -133,11 +136,12 @@ class Attached:
         os.replace(tmp, path)  # whole or not at all: the run never reads half a request
 
     def wait(self, timeout: float | None = None, *, poll: float = 0.2) -> str:
-        """Until the run's process has written its last line (its checkpoint too); returns :attr:`status`."""
+        """Until the run's process has written its last line (its checkpoint too) — after the last request, when
+        one was left; returns :attr:`status`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self.refresh()
-            if self.events and self.events[-1]["event"] == "exit":
+            if any(e["event"] == "exit" for e in self.events[self._asked_at:]):
                 return self.status
             if deadline is not None and time.monotonic() > deadline:
                 return self.status
