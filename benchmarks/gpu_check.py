@@ -24,6 +24,10 @@ with a simulated OOM, to test the script itself). Prints one table:
    memory (it allocates a third of the free memory per sequence); with
    ``forward_auto_split_batch_on_oom`` the batch is split until it fits, and the outputs
    equal those of a model that does not allocate.
+5. **processes = all GPUs**: ``session.train_steps(k, processes=N)`` with N = the device count (2 in a
+   dry run, on the CPU), after CUDA was initialised in this process by the checks before it: the
+   workers' start-up, a warm call's steps per second (each rank's), and rank 0's state at home
+   (skipped with one device: ``processes=1`` is this process).
 """
 
 from __future__ import annotations
@@ -283,6 +287,24 @@ def forward_step(*, model: torch.nn.Module, extern_data: kit.Batch, **_: Any) ->
     kit.get_run_ctx().mark_as_output(model(extern_data["data"].tensor), "logits")
 
 
+def check_processes(w: e.Workload, steps: int = 20) -> None:
+    n = torch.cuda.device_count() if DEVICE == "cuda" else 2
+    if n < 2:
+        row("processes = all GPUs", f"skipped: {n} device (processes=1 trains in this process)")
+        return
+    torch.manual_seed(0)
+    sess = session(w.make_model(), w, torch_amp="bfloat16" if DEVICE == "cuda" else None)
+    first = sess.train_steps(2, processes=n)  # starts the workers
+    started = time.perf_counter()
+    result = sess.train_steps(steps, processes=n)
+    seconds = time.perf_counter() - started
+    home = sess.progress.global_train_step == result.global_train_step == first.global_train_step + steps
+    startup = kit.multiproc.startup_secs(sess) or float("nan")
+    row(f"processes={n} (after CUDA init here)", f"start-up {startup:.1f} s, {steps / seconds:.1f} steps/s per rank "
+        f"({n} ranks), state home: {'yes' if home else 'NO'}", home)
+    sess.close()
+
+
 def check_oom_split() -> None:
     free = torch.cuda.mem_get_info()[0] if DEVICE == "cuda" else 2**30
     rng = np.random.default_rng(0)
@@ -316,9 +338,9 @@ def main() -> int:
               "(--dry-run runs the throughput and OOM-split checks on the CPU, to test the script itself.)")
         return 0
     w = gpu_workload()
-    checks = [check_throughput, check_syncs, check_memory, check_cuda_graph]
+    checks = [check_throughput, check_syncs, check_memory, check_cuda_graph, check_processes]
     if dry_run:
-        DEVICE, checks = "cpu", [check_throughput]
+        DEVICE, checks = "cpu", [check_throughput, check_processes]
         w.max_seqs, w.num_seqs = 4, 4 * 4
         torch.set_num_threads(1)
     else:

@@ -39,9 +39,11 @@ _LAZY = {
     "TrainResult": "kit.session",
     "Event": "kit.events",
     "DebugContext": "kit.debug",
+    "attach": "kit.attached",
 }
 _SUBMODULES = {"data", "engine", "checkpoints", "scores", "run_ctx", "debug", "widgets", "events",
-               "cli", "config", "rng", "fileio", "session", "examples", "compat"}
+               "cli", "config", "rng", "fileio", "session", "examples", "compat",
+               "multiproc", "eventlog", "attached"}
 
 __all__ = [
     "CheckpointError", "Config", "ConfigError", "CorruptCheckpointError", "DataError", "KitError",

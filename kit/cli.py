@@ -46,7 +46,10 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 # exit status after a stop by signal: 128 + its number, as a shell reports a process killed by it
-STOP_SIGNALS = {"interrupt": ("SIGINT", 130), "SIGTERM": ("SIGTERM", 143), "SIGUSR1": ("SIGUSR1", 138)}
+STOP_SIGNALS = {"interrupt": ("SIGINT", 130), "SIGTERM": ("SIGTERM", 143), "SIGUSR1": ("SIGUSR1", 138),
+                # a watcher's request (kit.attach(...).pause() / .stop()): as SIGUSR1
+                "attach: pause": ("a pause request (kit.attach)", 138),
+                "attach: stop": ("a stop request (kit.attach)", 138)}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -57,12 +60,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     engine = Engine(_config(args))
     guard = InterruptGuard()
     table = None
+    event_log = None
     bar = _progress_bar(engine) if not args.quiet else None
     try:
         with guard.held(), _requests_on(guard, "SIGTERM", "SIGUSR1"):
             engine.setup()
             if _nothing_to_do(engine):
                 return 0
+            from kit.eventlog import attach_to
+
+            event_log = attach_to(engine, guard.request)  # {model}.events.jsonl, and kit.attach's requests
             with _final_epoch_line_once(engine.final_epoch), \
                     bar.logging_redirected() if bar else contextlib.nullcontext():
                 finished = engine.train(should_stop=lambda: guard.requested)
@@ -73,6 +80,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar.close()
+        if event_log is not None:
+            event_log.close()
         engine.close()
     assert table is not None
     epochs = [e for e in table.epochs if table.has_scores(e)]

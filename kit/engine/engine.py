@@ -625,6 +625,21 @@ class Engine:
 
         return run_forward(self._built_parts(), self.config, self._progress, data, callback, seq_indices=seq_indices)
 
+    def release_prefix_lock(self) -> None:
+        """Give up the lock on ``model`` (a Session lends it to its worker processes for a call)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def take_prefix_lock(self) -> None:
+        """Take the lock on ``model`` again after :meth:`release_prefix_lock` (no-op when held, or when this
+        engine writes no checkpoints: not set up, not training, no ``model``, a rank other than 0)."""
+        prefix = self.model_prefix
+        if self._lock is None and self._built is not None and prefix and self.training and self._built.dist_is_main:
+            from kit.checkpoints.lock import PrefixLock
+
+            self._lock = PrefixLock.acquire(prefix)
+
     def close(self) -> None:
         """Shut down data workers and drop the model and optimizer."""
         if self._training is not None:

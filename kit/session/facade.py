@@ -187,46 +187,73 @@ class Session:
         # no progress line for one step (a dashboard still shows it when the session is ``live=True``)
         return self._driver.run("steps", 1, live=bool(self._parts.views.live))
 
-    def train_steps(self, n: int) -> TrainResult:
-        """``n`` more steps, continuing where the last call stopped."""
+    def train_steps(self, n: int, *, processes: int | None = None) -> TrainResult:
+        """``n`` more steps, continuing where the last call stopped (``processes``: see :meth:`train`)."""
+        if (done := self._on_workers("steps", check_n(n), None, processes)) is not None:
+            return done
         return self._driver.run("steps", check_n(n), live=None)
 
-    def train_epoch(self, *, live: bool | None = None) -> TrainResult:
+    def train_epoch(self, *, live: bool | None = None, processes: int | None = None) -> TrainResult:
         """Finish the current epoch (or train the next one): steps, scores, eval, checkpoint, LR."""
+        if (done := self._on_workers("epoch", 0, live, processes)) is not None:
+            return done
         return self._driver.run("epoch", live=live)
 
-    def train(self, num_epochs: int | None = None, *, live: bool | None = None) -> TrainResult:
+    def train(self, num_epochs: int | None = None, *, live: bool | None = None,
+              processes: int | None = None) -> TrainResult:
         """Train up to epoch ``num_epochs`` (default: the config's); the result holds the last epoch's scores.
 
         ``num_epochs`` becomes the final epoch, raised or lowered; it cannot be below an
-        epoch that is already trained or running.
+        epoch that is already trained or running. ``processes=N`` (N > 1) trains on N worker
+        processes started by spawning, as torchrun's ranks would (:mod:`kit.multiproc`); the state
+        comes home when the call returns. ``None``: as the paused epoch ran, else in this process.
         """
         if num_epochs is not None:
             self._driver.set_final_epoch(num_epochs, lower_ok=True)
+        if (done := self._on_workers("train", 0, live, processes)) is not None:
+            return done
         return self._driver.run("train", live=live)
 
-    async def train_steps_async(self, n: int) -> TrainResult:
+    async def train_steps_async(self, n: int, *, processes: int | None = None) -> TrainResult:
         """Like :meth:`train_steps`, yielding to the event loop between steps (the Pause button works)."""
+        if (call := self._on_workers("steps", check_n(n), None, processes, "awaitable")) is not None:
+            return await call
         return await self._driver.run_async("steps", check_n(n), live=None)
 
-    async def train_epoch_async(self, *, live: bool | None = None) -> TrainResult:
+    async def train_epoch_async(self, *, live: bool | None = None, processes: int | None = None) -> TrainResult:
         """Like :meth:`train_epoch`; ``await`` it in a notebook cell so widgets stay responsive."""
+        if (call := self._on_workers("epoch", 0, live, processes, "awaitable")) is not None:
+            return await call
         return await self._driver.run_async("epoch", live=live)
 
-    async def train_async(self, num_epochs: int | None = None, *, live: bool | None = None) -> TrainResult:
+    async def train_async(self, num_epochs: int | None = None, *, live: bool | None = None,
+                          processes: int | None = None) -> TrainResult:
         """Like :meth:`train`; ``await session.train_async()`` keeps the kernel responsive."""
         if num_epochs is not None:
             self._driver.set_final_epoch(num_epochs, lower_ok=True)
+        if (call := self._on_workers("train", 0, live, processes, "awaitable")) is not None:
+            return await call
         return await self._driver.run_async("train", live=live)
 
-    def train_in_background(self, goal: str = "train", n: int = 1, *, live: bool | None = None) -> threading.Thread:
+    def train_in_background(self, goal: str = "train", n: int = 1, *, live: bool | None = None,
+                            processes: int | None = None) -> threading.Thread:
         """Train in a thread (goal ``"train"``, ``"epoch"`` or ``"steps"``); the cell returns at once.
 
         ``session.pause()`` stops at the next step boundary, ``session.wait()`` joins and
         returns the result (or raises the error). Do not step other sessions meanwhile:
         global RNG states are process-wide.
         """
-        return self._driver.start_background(goal, check_n(n) if goal == "steps" else 0, live=live)
+        n = check_n(n) if goal == "steps" else 0
+        if (thread := self._on_workers(goal, n, live, processes, "background")) is not None:
+            return thread
+        return self._driver.start_background(goal, n, live=live)
+
+    def _on_workers(self, goal: str, n: int, live: bool | None, processes: int | None,
+                    mode: str = "blocking") -> Any:
+        """The call on worker processes (:mod:`kit.multiproc`); None when it runs in this process."""
+        from kit.multiproc import driver
+
+        return driver.train(self, self._parts, self._driver, goal, n, processes, live, mode)
 
     def wait(self, timeout: float | None = None) -> TrainResult | None:
         """Wait for :meth:`train_in_background`; returns its result or raises its error (None: still running)."""
@@ -386,6 +413,9 @@ class Session:
         if thread is not None and thread.is_alive():
             self.pause()
             thread.join()
+        from kit.multiproc import driver
+
+        driver.close(self)  # the worker processes, if any
         drop_references_to([self, parts.engine], [parts.engine.model, parts.engine.optimizer])
         parts.engine.close()
         parts.breakpoints.release()

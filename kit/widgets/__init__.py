@@ -14,6 +14,7 @@ _LAZY = {
     "CheckpointWidget": "kit.widgets.checkpoints",
     "TerminalView": "kit.widgets.terminal",
     "Timeline": "kit.widgets.timeline",
+    "RankStrip": "kit.widgets.ranks",
 }
 
 __all__ = list(_LAZY)
