@@ -21,12 +21,16 @@ def delete_old_optimizer_state(model_prefix: str | None, epoch: int, *, keep_log
 
     RETURNN's rule (``Engine._save_optimizer``): only the optimizer state two epochs back, only when
     ``keep_logic`` (``apply_cleanup_old_models_to_optim_states``) is off; the model file stays. Returns the
-    deleted path (None when there was nothing to delete). Call it on the process that writes checkpoints.
+    deleted path (None when there was nothing to delete). Only a state kit wrote (its manifest is there) is
+    deleted: a file RETURNN wrote stays, whatever RETURNN would do with it. Call it on the process that writes
+    checkpoints, in a RETURNN run directory.
     """
     old = epoch - 2
     if not model_prefix or keep_logic or old < 1:
         return None
-    _, opt_path, _ = checkpoint_paths(model_prefix, old)
+    _, opt_path, manifest = checkpoint_paths(model_prefix, old)
+    if not os.path.isfile(manifest):  # RETURNN wrote it (or no one did): kit deletes only its own files
+        return None
     try:
         os.unlink(opt_path)
     except FileNotFoundError:

@@ -50,3 +50,15 @@ def cleanup(config: Config, scores: ScoreTable | None, protect: Checkpoint | Non
         options = {**({} if options is True else dict(options)), "dry_run": True}
     by_epoch = {e: {k: v for k, v in scores.scores(e).items() if not k.startswith("train_")} for e in scores.epochs}
     return checkpoints.cleanup(prefix, options, scores=by_epoch, protect=[protect] if protect is not None else [])
+
+
+def drop_old_optimizer_state(config: Config, epoch: int) -> None:
+    """In a RETURNN run directory (one holding RETURNN's own checkpoints), leave what RETURNN would: the
+    optimizer states of the last two epochs only (``kit.compat.run_files``); kit's own runs keep them all,
+    so that any epoch can be restored."""
+    from kit.compat.returnn_run import returnn_checkpoints
+    from kit.compat.run_files import delete_old_optimizer_state
+
+    prefix = config.typed_value("model")
+    if prefix and returnn_checkpoints(prefix):
+        delete_old_optimizer_state(prefix, epoch, keep_logic=config.bool("apply_cleanup_old_models_to_optim_states"))

@@ -118,6 +118,19 @@ def test_continues_returnns_newest_epoch_with_its_optimizer_state(tmp_path, capl
     assert (tmp_path / "learning_rates.kit.json").is_file()
 
 
+def test_kit_leaves_the_optimizer_states_returnn_leaves_and_never_deletes_returnns(tmp_path):
+    make_returnn_run(tmp_path)
+    returnn_files = ["model.001.pt", "model.002.pt", "model.002.opt.pt"]
+    before = _digests(tmp_path, returnn_files)
+    with _session(tmp_path, num_epochs=5, cleanup_old_models={"keep_last_n": 5, "keep_best_n": 0}) as session:
+        session.train()
+    opt_files = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".opt.pt"))
+    # RETURNN keeps the optimizer states of the last two epochs: kit's epoch 3 state goes after epoch 5;
+    # RETURNN's own epoch-2 state stays (kit deletes only files it wrote)
+    assert opt_files == ["model.002.opt.pt", "model.004.opt.pt", "model.005.opt.pt"]
+    assert _digests(tmp_path, returnn_files) == before
+
+
 def test_refuses_to_overwrite_a_returnn_checkpoint(tmp_path):
     make_returnn_run(tmp_path)
     before = _digests(tmp_path, ["model.001.pt"])

@@ -266,11 +266,15 @@ def test_old_optimizer_states_deleted_as_returnn_deletes_them(tmp_path):
     from kit.compat.run_files import delete_old_optimizer_state
 
     prefix = str(tmp_path / "model")
-    for epoch in (1, 2, 3):
+    for epoch in (1, 2, 3, 4):
         for suffix in (".pt", ".opt.pt"):
             Path(f"{prefix}.{epoch:03d}{suffix}").write_bytes(b"x")
+    for epoch in (2, 3, 4):  # kit wrote epochs 2-4 (their manifests); RETURNN epoch 1
+        Path(f"{prefix}.{epoch:03d}.manifest.json").write_text("{}")
     assert delete_old_optimizer_state(prefix, 2) is None  # epoch 0 does not exist
-    assert delete_old_optimizer_state(prefix, 3, keep_logic=True) is None  # left to cleanup_old_models
-    assert delete_old_optimizer_state(prefix, 3) == f"{prefix}.001.opt.pt"
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "model.001.pt", "model.002.opt.pt", "model.002.pt", "model.003.opt.pt", "model.003.pt"]
+    assert delete_old_optimizer_state(prefix, 3) is None  # RETURNN's file: kit never deletes it
+    assert delete_old_optimizer_state(prefix, 4, keep_logic=True) is None  # left to cleanup_old_models
+    assert delete_old_optimizer_state(prefix, 4) == f"{prefix}.002.opt.pt"
+    assert sorted(p.name for p in tmp_path.iterdir() if "manifest" not in p.name) == [
+        "model.001.opt.pt", "model.001.pt", "model.002.pt", "model.003.opt.pt", "model.003.pt",
+        "model.004.opt.pt", "model.004.pt"]
