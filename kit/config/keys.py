@@ -258,9 +258,28 @@ def dataset_spec(v: Any) -> str | None:
 
 
 def _tensorboard_opts(v: Any) -> str | None:
-    from kit.tensorboard import check_options
+    from kit.loggers.tensorboard import check_options
 
     return check_options(v)
+
+
+def _dict_or_none(what: str) -> Check:
+    def check(v: Any) -> str | None:
+        return None if v is None or isinstance(v, dict) else what
+
+    return check
+
+
+def _csv_log(v: Any) -> str | None:
+    if v is None or isinstance(v, (bool, str, dict)):
+        return None
+    return "True, a file path, or {'path': .., 'log_every_n_train_steps': ..}"
+
+
+def _log_grad_norm(v: Any) -> str | None:
+    if v is None or isinstance(v, bool) or (isinstance(v, str) and v.lower() in ("true", "false", "none")):
+        return None
+    return None if _is_num(v) and v > 0 else "True (the 2-norm), a number p > 0, or False / None"
 
 
 def _k(section: str, name: str, type_: str, default: Any, doc: str, check: Check | None = None) -> Key:
@@ -308,12 +327,17 @@ _KEYS: list[Key] = [
     _k("training", "log_every_n_steps", "int", 10, "interval (in steps) of the per-step log line", positive_int),
     _k("training", "log_verbosity", "int", 3, "RETURNN-style verbosity; >=4 logs every step", non_negative_int),
     _k("training", "default_float_dtype", "str", None, "RETURNN's: the model's parameters, the batches' float tensors and torch's default dtype inside every step in this dtype", one_of(None, "float16", "bfloat16", "float32", "float64")),
+    _k("training", "calculate_exp_loss", "bool", False, "RETURNN's: add <loss>:exp = exp(loss) after every loss that is not an error (a perplexity), per step and per epoch (train_loss_ce:exp, dev_loss_ce:exp)", boolean),
+    _k("training", "log_grad_norm", "bool | float", False, "RETURNN's: score grad_norm:p<p> (train_loss_grad_norm:p2), the p-norm of the gradients after unscaling and before noise and clipping, on every update step; True is p=2", _log_grad_norm),
     _k("training", "torch_log_memory_usage", "bool", False, "add device memory to log lines", boolean),
     _k("training", "device", "str", None, "None: cuda, then mps, then cpu; 'gpu' requires a GPU; PT_DEVICE env var overrides", device_spec),
     _k("training", "torch_distributed", "dict", None, "under torchrun: {'reduce_type': 'grad' (DDP) or 'param' (averaging), 'param_sync_step', 'options' (DDP kwargs), 'backend'}"),
     _k("training", "forward_auto_split_batch_on_oom", "bool", True, "split a forward batch in halves on CUDA OOM", boolean),
     _k("training", "use_tensorboard", "bool", False, "write TensorBoard event files (train losses and learning rate per step, every eval score per epoch); needs the tensorboard package", boolean),
     _k("training", "tensorboard_opts", "dict", None, "{'log_every_n_train_steps': 100, 'log_dir': ..}; log_dir defaults to {model}.tensorboard beside the checkpoints (without 'model': SummaryWriter's ./runs/...)", _tensorboard_opts),
+    _k("trackers", "wandb_opts", "dict", None, "RETURNN's: log to Weights & Biases; the wandb.init arguments (+ 'log_every_n_train_steps', default 100; kit's 'all_ranks'); see docs/trackers.md", _dict_or_none("a dict of wandb.init arguments")),
+    _k("trackers", "mlflow_opts", "dict", None, "log to MLflow: {'tracking_uri', 'experiment_name', 'run_name', 'run_id', 'tags', 'log_params', 'log_every_n_train_steps', 'all_ranks'} (default store: {model}.mlruns); see docs/trackers.md", _dict_or_none("a dict of MLflow options, e.g. {'experiment_name': 'x'}")),
+    _k("trackers", "csv_log", "bool | str | dict", None, "append every logged metric to a CSV file (True: {model}.log.csv; a path; or {'path', 'log_every_n_train_steps', 'all_ranks'}); see docs/trackers.md", _csv_log),
     _k("training", "debug_hook", "callable", None, "callable(DebugContext) called on debug events (replaces debug_shell_before_train_loop)", optional_callable),
     # optimizer and learning rate
     _k("optimizer", "optimizer", "dict | class | callable", None, "{'class': 'adamw' | dotted path | type, **kwargs} (no 'lr': use learning_rate)", optimizer_spec),

@@ -78,7 +78,7 @@ class Engine:
         self._final_epoch: int | None = None
         self._options: tuple[int, StepOptions] | None = None
         self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
-        self._loggers: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
+        self._loggers: list[Any] = []  # trackers the config asks for (kit.loggers); closed by close()
         self._lock: PrefixLock | None = None  # while this engine trains into `model`
         self._last_checkpoint: Checkpoint | None = None
         self._epoch_start_time = 0.0
@@ -214,7 +214,7 @@ class Engine:
             return
         built, start, self._lock = build.build_parts(self.config, self.events, training=self.training)
         self._built = built
-        self._loggers = build.config_loggers(self.config, self.events, self.training and built.dist_is_main,
+        self._loggers = build.config_loggers(self.config, self.events, self.training, built.dist.rank if built.dist else 0,
                                              lambda: self._progress.global_train_step)
         self._progress = Progress.starting_at(start.epoch, start.global_train_step)
         if start.train_state is not None:
@@ -353,7 +353,8 @@ class Engine:
         epoch = p.epoch
         if t.accounting.num_steps == 0:
             raise DataError(f"epoch {epoch}: the training dataset gave no batches")
-        table.set_scores(epoch, t.accounting.scores("train_loss_"), errors=t.accounting.error_keys("train_loss_"))
+        table.set_scores(epoch, t.accounting.scores("train_loss_", exp=self.config.bool("calculate_exp_loss")),
+                         errors=t.accounting.error_keys("train_loss_"))
         table.set_meta(epoch, **self._epoch_meta(b, t))
         self.record_eval(epoch, self.eval_model())
         p.end_epoch()

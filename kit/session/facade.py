@@ -366,6 +366,19 @@ class Session:
         print(text)
         return text
 
+    def log_to(self, tracker: Any, /, **options: Any) -> Any:
+        """Log this session's steps and epochs to a tracker: ``"tensorboard"``, ``"wandb"``, ``"mlflow"`` or
+        ``"csv"`` (``options`` as the config key's dict: ``wandb_opts``, ``mlflow_opts``, ...), or a
+        :class:`kit.loggers.Tracker`. Returns the tracker (``.close()`` turns it off; :meth:`close` closes it
+        too); None on a torchrun rank other than 0 unless ``all_ranks=True``. See docs/trackers.md."""
+        from kit.session.trackers import log_to
+
+        engine = self._parts.engine
+        made = log_to(self.config, self._parts.events, lambda: engine.progress.global_train_step, tracker, options)
+        if made is not None:
+            self.__dict__.setdefault("_trackers", []).append(made)
+        return made
+
     def dashboard(self) -> Any:
         """A live view of this session (:class:`kit.widgets.Dashboard`); show it as a cell's last line."""
         return self._parts.views.dashboard()
@@ -387,6 +400,8 @@ class Session:
             self.pause()
             thread.join()
         drop_references_to(self, parts.engine)
+        for tracker in self.__dict__.pop("_trackers", []):
+            tracker.close()
         parts.engine.close()
         parts.breakpoints.release()
         parts.lifecycle.stashed_weights = None

@@ -120,7 +120,7 @@ class History:
         self._pending, self._pending_memory = [], {}
         losses = read_normalized([r.step_losses for r in pending])
         row = self._row
-        self.rows += [row(r, lo, memory.get(i)) for i, (r, lo) in enumerate(zip(pending, losses))]
+        self.rows += [row(r, r.step_losses.reported(lo), memory.get(i)) for i, (r, lo) in enumerate(zip(pending, losses))]
         while len(self.rows) > self.max_rows:
             # keep every other step by number (not by position), so rows stay on the stride's grid
             self.stride *= 2
