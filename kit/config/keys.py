@@ -336,7 +336,7 @@ _KEYS: list[Key] = [
     _k("training", "use_tensorboard", "bool", False, "write TensorBoard event files (train losses and learning rate per step, every eval score per epoch); needs the tensorboard package", boolean),
     _k("training", "tensorboard_opts", "dict", None, "{'log_every_n_train_steps': 100, 'log_dir': ..}; log_dir defaults to {model}.tensorboard beside the checkpoints (without 'model': SummaryWriter's ./runs/...)", _tensorboard_opts),
     _k("trackers", "wandb_opts", "dict", None, "RETURNN's: log to Weights & Biases; the wandb.init arguments (+ 'log_every_n_train_steps', default 100; kit's 'all_ranks'); see docs/trackers.md", _dict_or_none("a dict of wandb.init arguments")),
-    _k("trackers", "mlflow_opts", "dict", None, "log to MLflow: {'tracking_uri', 'experiment_name', 'run_name', 'run_id', 'tags', 'log_params', 'log_every_n_train_steps', 'all_ranks'} (default store: {model}.mlruns); see docs/trackers.md", _dict_or_none("a dict of MLflow options, e.g. {'experiment_name': 'x'}")),
+    _k("trackers", "mlflow_opts", "dict", None, "log to MLflow: {'tracking_uri', 'experiment_name', 'run_name', 'run_id', 'tags', 'log_params', 'log_every_n_train_steps', 'all_ranks'} (default store: sqlite {model}.mlflow.db); see docs/trackers.md", _dict_or_none("a dict of MLflow options, e.g. {'experiment_name': 'x'}")),
     _k("trackers", "csv_log", "bool | str | dict", None, "append every logged metric to a CSV file (True: {model}.log.csv; a path; or {'path', 'log_every_n_train_steps', 'all_ranks'}); see docs/trackers.md", _csv_log),
     _k("training", "debug_hook", "callable", None, "callable(DebugContext) called on debug events (replaces debug_shell_before_train_loop)", optional_callable),
     # optimizer and learning rate

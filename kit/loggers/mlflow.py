@@ -1,6 +1,6 @@
 """MLflow (``mlflow_opts``): step and epoch metrics, and the config's plain values as parameters.
 
-Options (all optional): ``tracking_uri`` (default: a local file store ``{model}.mlruns`` beside the
+Options (all optional): ``tracking_uri`` (default: a local SQLite store ``{model}.mlflow.db`` beside the
 checkpoints, else MLflow's own default), ``experiment_name`` (default ``"kit"``), ``run_name``, ``run_id`` (continue
 that run), ``tags`` (dict), ``log_params`` (default True), ``log_every_n_train_steps`` (default 100),
 ``all_ranks``. The run is MLflow's client API (``MlflowClient``): no process-global active run is touched,
@@ -23,16 +23,18 @@ logger = logging.getLogger("kit")
 
 OPTION_KEYS = ("tracking_uri", "experiment_name", "run_name", "run_id", "tags", "log_params",
                "log_every_n_train_steps", "all_ranks")
-_BAD_CHARS = re.compile(r"[^\w\-./ ]")  # what MLflow accepts in metric and param names
+_BAD_CHARS = re.compile(r"[^\w\-./ ]" if os.name == "nt" else r"[^\w\-./ :]")  # what MLflow accepts in names
 
 
 def metric_name(name: str) -> str:
-    """MLflow's form of a metric name: characters it refuses (``:`` in ``ce:exp``) become ``_``."""
+    """MLflow's form of a metric name: characters it refuses (``:`` on Windows) become ``_``."""
     return _BAD_CHARS.sub("_", name)
 
 
 def default_tracking_uri(model_prefix: str | None) -> str | None:
-    return f"file:{os.path.abspath(model_prefix)}.mlruns" if model_prefix else None
+    """A local SQLite store ``{model}.mlflow.db`` beside the checkpoints (MLflow 3 keeps its file store in
+    maintenance mode); None (MLflow's own default) without ``model``."""
+    return f"sqlite:///{os.path.abspath(model_prefix)}.mlflow.db" if model_prefix else None
 
 
 class MlflowLogger(Tracker):
