@@ -29,6 +29,7 @@ from kit.engine.guard import GuardOptions
 from kit.engine.loop import EpochDone, TrainingLoop
 from kit.engine.memory import MemoryFigures
 from kit.engine.progress import Progress
+from kit.engine.run_hooks import RunHooks
 from kit.engine.state import TrainingState, cpu_copy, detached_copy
 from kit.engine.step import StepOptions, StepResult
 from kit.errors import DataError, KitError
@@ -84,6 +85,7 @@ class Engine:
         self._epoch_start_time = 0.0
         self._calls = 0  # driver calls open now (deferred reads wait for their end)
         self._debugger: Debugger | None = None
+        self._hooks = RunHooks(config)  # RETURNN's callbacks and memory switches of the config
         if config.typed_value("debug_hook") is not None:  # the CLI and torchrun too; a Session attaches its own
             self.attach_debugger(lambda: self.config.typed_value("debug_hook"), self._keep_failure)
 
@@ -212,6 +214,8 @@ class Engine:
         """Device, datasets, score table, model (resumed or fresh); cheap once done."""
         if self._built is not None:
             return
+        self._hooks.startup()
+        self._hooks.attach(self.events)
         built, start, self._lock = build.build_parts(self.config, self.events, training=self.training)
         self._built = built
         self._loggers = build.config_loggers(self.config, self.events, self.training, built.dist.rank if built.dist else 0,
@@ -344,6 +348,8 @@ class Engine:
         b.model.train()
         if announce:
             logger.info("start epoch %d, global train step %d, learning rate %g", p.epoch, p.global_train_step, lr)
+            self._hooks.reset_memory_caches()
+            self._hooks.epoch_start(epoch=p.epoch, step=p.global_train_step, model=b.model, dataset_name="train")
             self.events.emit(EpochBegin(p.epoch, lr))
 
     def _end_epoch(self) -> dict[str, Any]:
@@ -356,6 +362,7 @@ class Engine:
         table.set_scores(epoch, t.accounting.scores("train_loss_", exp=self.config.bool("calculate_exp_loss")),
                          errors=t.accounting.error_keys("train_loss_"))
         table.set_meta(epoch, **self._epoch_meta(b, t))
+        self._hooks.epoch_end(epoch=epoch, step=p.global_train_step, model=b.model, dataset_name="train")
         self.record_eval(epoch, self.eval_model())
         p.end_epoch()
         logger.info("finished epoch %d: %s", epoch, format_scores(table.scores(epoch)))
@@ -460,14 +467,17 @@ class Engine:
         if not datasets:
             return {}
         self.events.emit(EvalBegin(list(datasets)))
+        self._hooks.reset_memory_caches()
         rng, was_training = RngState.capture(), b.model.training
         b.model.eval()
         try:
             with torch.no_grad():
                 results = {}
+                p = self._progress
                 for name, dataset in datasets.items():
-                    results[name], self._eval_errors[name] = evaluate_dataset(
-                        b, self.config, self._progress, name, dataset)
+                    self._hooks.epoch_start(epoch=p.epoch, step=p.global_train_step, model=b.model, dataset_name=name)
+                    results[name], self._eval_errors[name] = evaluate_dataset(b, self.config, p, name, dataset)
+                    self._hooks.epoch_end(epoch=p.epoch, step=p.global_train_step, model=b.model, dataset_name=name)
         finally:
             rng.restore()
             b.model.train(was_training)
@@ -599,6 +609,7 @@ class Engine:
     def forward(self, data: Any, callback: Any = None, *, seq_indices: list[int] | None = None) -> Any:
         from kit.engine.forward import run_forward
 
+        self._hooks.reset_memory_caches()
         return run_forward(self._built_parts(), self.config, self._progress, data, callback, seq_indices=seq_indices)
 
     def close(self) -> None:
@@ -608,6 +619,7 @@ class Engine:
         for view in self._loggers:
             view.close()
         self._loggers.clear()
+        self._hooks.close()
         if self._lock is not None:
             self._lock.release()
             self._lock = None

@@ -44,3 +44,42 @@ def test_exp_loss_and_grad_norm_scores_equal_returnns(tmp_path, variant, keys):
         for key in w:
             assert g[key] == w[key], (epoch, key, g[key], w[key])  # bitwise
     assert got[2]["scores"]["train_loss_grad_norm:p" + p] != got[1]["scores"]["train_loss_grad_norm:p" + p]
+
+
+CALLBACKS = """
+def _note(kind):
+    def fn(*, epoch, step, model, dataset_name, **kwargs):
+        total = float(sum(p.detach().double().sum() for p in model.parameters()))
+        with open(os.path.join(run_dir, "callbacks"), "a") as f:
+            f.write(f"{kind} {dataset_name} {epoch} {step} {total!r} {model.training}\\n")
+    return fn
+
+
+epoch_start = _note("start")
+epoch_end = _note("end")
+
+
+def startup_callback(*, config, **kwargs):
+    with open(os.path.join(run_dir, "callbacks"), "a") as f:
+        f.write(f"startup {config.typed_value('num_epochs')}\\n")
+"""
+
+
+@needs_returnn
+def test_epoch_callbacks_and_packed_batch_size_as_returnn(tmp_path):
+    keys = {"num_epochs": "2", "packed_batch_size": "30", "sort_dataset": "False"}
+    for tool in ("returnn", "kit"):
+        run_dir = tmp_path / tool
+        run_dir.mkdir()
+        config = run_dir / "run.config"
+        config.write_text(Path(CONFIG).read_text() + CALLBACKS + "".join(f"\n{k} = {v}" for k, v in keys.items()))
+        args = ["-m", "returnn", str(config)] if tool == "returnn" else ["-m", "kit", "train", str(config)]
+        run_python(args, env={"RUN_DIR": str(run_dir), "STEP_LOG": str(run_dir / "steps")})
+    want, got = ((tmp_path / t / "callbacks").read_text().splitlines() for t in ("returnn", "kit"))
+    assert want[0] == "startup 2" and len(want) == 9  # startup, then (train, dev) x (start, end) x 2 epochs
+    assert got == want  # the same calls, arguments and weights, in the same order
+    steps = (tmp_path / "returnn" / "steps").read_text()
+    assert (tmp_path / "kit" / "steps").read_text() == steps
+    unpacked = _run("kit", tmp_path / "unpacked", {"num_epochs": "2"})
+    assert unpacked[1]["meta"]["epoch_num_train_steps"] < parse_returnn_lr_file(
+        (tmp_path / "kit" / "learning_rates").read_text())["epochs"][1]["meta"]["epoch_num_train_steps"]
