@@ -39,8 +39,8 @@ def test_log_batch_size_lines_only_at_verbosity_5(caplog):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="kit"):
             session = kit.Session(**_small(log_batch_size=True, log_verbosity=verbosity))
-            batches = []
-            session.on("step_begin", lambda batch, **_: batches.append(batch))
+            batches: list = []
+            session.on("step_begin", _keep(batches))
             session.train_steps(2)
             session.close()
         lines = [r.getMessage() for r in caplog.records if "batch size:" in r.getMessage()]
@@ -51,6 +51,13 @@ def test_log_batch_size_lines_only_at_verbosity_5(caplog):
                                 f"max_size:data {b['data'].tensor.shape[1]}, sum_size:data {int(b['data'].lengths.sum())}, "
                                 f"max_size:classes {b['classes'].tensor.shape[1]}, "
                                 f"sum_size:classes {int(b['classes'].lengths.sum())}")
+
+
+def _keep(into: list):
+    def keep(batch, **_):
+        into.append(batch)
+
+    return keep
 
 
 def test_packed_batch_size_bounds_the_summed_lengths():
