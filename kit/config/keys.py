@@ -282,6 +282,12 @@ def _log_grad_norm(v: Any) -> str | None:
     return None if _is_num(v) and v > 0 else "True (the 2-norm), a number p > 0, or False / None"
 
 
+def _torch_profile(v: Any) -> str | None:
+    from kit.profile import check_profile
+
+    return check_profile(v)
+
+
 def _k(section: str, name: str, type_: str, default: Any, doc: str, check: Check | None = None) -> Key:
     return Key(name=name, type=type_, default=default, doc=doc, check=check, section=section)
 
@@ -340,6 +346,9 @@ _KEYS: list[Key] = [
     _k("trackers", "wandb_opts", "dict", None, "RETURNN's: log to Weights & Biases; the wandb.init arguments (+ 'log_every_n_train_steps', default 100; kit's 'all_ranks'); see docs/trackers.md", _dict_or_none("a dict of wandb.init arguments")),
     _k("trackers", "mlflow_opts", "dict", None, "log to MLflow: {'tracking_uri', 'experiment_name', 'run_name', 'run_id', 'tags', 'log_params', 'log_every_n_train_steps', 'all_ranks'} (default store: sqlite {model}.mlflow.db); see docs/trackers.md", _dict_or_none("a dict of MLflow options, e.g. {'experiment_name': 'x'}")),
     _k("trackers", "csv_log", "bool | str | dict", None, "append every logged metric to a CSV file (True: {model}.log.csv; a path; or {'path', 'log_every_n_train_steps', 'all_ranks'}); see docs/trackers.md", _csv_log),
+    _k("training", "torch_profile", "bool | dict", None, "RETURNN's: torch profiler traces of each train epoch (torch_profile.json in the run folder); dict: torch.profiler.profile options + exit_after_profile, once, ranks; see docs/run_tools.md", _torch_profile),
+    _k("training", "stop_for_resubmission_when_low_time_left", "bool", False, "RETURNN's: after an epoch, stop when SLURM's time left < the last epoch's wall time x the safety factor (CLI: step checkpoint, SIGINT to the job's process group, exit status 1); see docs/run_tools.md", boolean),
+    _k("training", "stop_for_resubmission_safety_factor", "float", 1.2, "RETURNN's: the factor on the last epoch's wall time for stop_for_resubmission_when_low_time_left", positive_number),
     _k("callbacks", "startup_callback", "callable", None, "RETURNN's: startup_callback(config=config), once when the engine sets up (before data and model)", optional_callable),
     _k("callbacks", "epoch_start", "callable", None, "RETURNN's: fn(*, epoch, step, model, dataset_name, **kwargs) before the train epoch (dataset_name 'train') and before each eval dataset", optional_callable),
     _k("callbacks", "epoch_end", "callable", None, "RETURNN's: fn(*, epoch, step, model, dataset_name, **kwargs) after the train epoch (before its checkpoint and eval) and after each eval dataset", optional_callable),

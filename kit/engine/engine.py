@@ -86,6 +86,8 @@ class Engine:
         self._calls = 0  # driver calls open now (deferred reads wait for their end)
         self._debugger: Debugger | None = None
         self._hooks = RunHooks(config)  # RETURNN's callbacks and memory switches of the config
+        self._stop_pending: str | None = None  # a run tool asked the loop's driver to stop (torch_profile, ...)
+        self._stop_reason: str | None = None
         if config.typed_value("debug_hook") is not None:  # the CLI and torchrun too; a Session attaches its own
             self.attach_debugger(lambda: self.config.typed_value("debug_hook"), self._keep_failure)
 
@@ -215,9 +217,11 @@ class Engine:
         if self._built is not None:
             return
         self._hooks.startup()
-        self._hooks.attach(self.events)
         built, start, self._lock = build.build_parts(self.config, self.events, training=self.training)
         self._built = built
+        self._hooks.attach(self.events, request_stop=self.request_stop, final_epoch=lambda: self.final_epoch,
+                           progress=lambda: self._progress, rank=built.dist.rank if built.dist else None,
+                           world_size=built.dist.world_size if built.dist else 1, training=self.training)
         self._loggers = build.config_loggers(self.config, self.events, self.training, built.dist.rank if built.dist else 0,
                                              lambda: self._progress.global_train_step)
         self._progress = Progress.starting_at(start.epoch, start.global_train_step)
@@ -404,6 +408,20 @@ class Engine:
 
     # ---- driver calls ---------------------------------------------------------------------------
 
+    def request_stop(self, reason: str) -> None:
+        """Ask the driver to stop at the next unit boundary (a run tool: ``torch_profile``, ``low time left``)."""
+        self._stop_pending = self._stop_reason = reason
+
+    def take_stop_request(self) -> str | None:
+        """The pending stop request's reason, cleared (a driver stops for it); None when none is pending."""
+        reason, self._stop_pending = self._stop_pending, None
+        return reason
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why a run tool last asked training to stop (the CLI's exit status reads it); None: never."""
+        return self._stop_reason
+
     @contextlib.contextmanager
     def driver_call(self) -> Iterator[None]:
         """A driver's ``train_*`` call (or a time slice of one): the steps inside do not read the guard's
@@ -437,7 +455,7 @@ class Engine:
             while (unit := self.loop.next_unit()) is not None:
                 if isinstance(unit, EpochDone):
                     return unit.scores
-                if should_stop is not None and should_stop():
+                if (should_stop is not None and should_stop()) or self.take_stop_request():
                     outcome.value = "paused"
                     return None
         return None
@@ -447,7 +465,7 @@ class Engine:
         self.prepare_training()
         with self.loop.driven("train") as outcome, self.driver_call():
             while self.loop.next_unit() is not None:
-                if should_stop is not None and should_stop() and not self.all_trained:
+                if ((should_stop is not None and should_stop()) or self.take_stop_request()) and not self.all_trained:
                     outcome.value = "paused"
                     return False
         return True

@@ -35,6 +35,7 @@ class RunHooks:
     def __init__(self, config: Any):
         self.config = config
         self._watcher: MemoryWatcher | None = None
+        self._profile: Any = None
 
     def startup(self) -> None:
         """Before the engine builds anything: environment, lovely_tensors, memory watcher, startup_callback."""
@@ -44,7 +45,7 @@ class RunHooks:
             set_cuda_alloc_conf(str(alloc_conf), distributed=cfg.typed_value("torch_distributed") is not None)
         if cfg.bool("use_lovely_tensors"):
             try:
-                import lovely_tensors  # type: ignore[import-not-found]
+                import lovely_tensors  # type: ignore[import-not-found,unused-ignore]
 
                 lovely_tensors.monkey_patch()
             except ImportError as exc:
@@ -56,10 +57,28 @@ class RunHooks:
         if callback is not None:
             callback(config=cfg)
 
-    def attach(self, events: Any) -> None:
-        """Subscribe what listens to the loop (``log_batch_size``)."""
-        if self.config.bool("log_batch_size") and self.config.int("log_verbosity") >= 5:
+    def attach(self, events: Any, *, request_stop: Callable[[str], None], final_epoch: Callable[[], int],
+               progress: Callable[[], Any], rank: int | None = None, world_size: int = 1,
+               training: bool = True) -> None:
+        """Subscribe what listens to the loop: ``log_batch_size``, ``torch_profile``, the resubmission check."""
+        cfg = self.config
+        if cfg.bool("log_batch_size") and cfg.int("log_verbosity") >= 5:
             events.on("step_begin", log_batch_size)
+        if not training:
+            return
+        from kit.profile import TorchProfile, profile_options
+
+        opts = profile_options(cfg.typed_value("torch_profile"))
+        if opts is not None:
+            model = cfg.typed_value("model")
+            run_dir = os.path.dirname(os.path.abspath(model)) if model else os.getcwd()
+            self._profile = TorchProfile(opts, run_dir, request_stop=request_stop,
+                                         steps_done=lambda: progress().steps_exhausted, rank=rank,
+                                         world_size=world_size).attach(events)
+        if cfg.bool("stop_for_resubmission_when_low_time_left"):
+            from kit.engine.resubmission import ResubmissionCheck
+
+            ResubmissionCheck(cfg.float("stop_for_resubmission_safety_factor"), request_stop, final_epoch).attach(events)
 
     def reset_memory_caches(self) -> None:
         if self.config.bool("reset_dev_memory_caches"):
@@ -79,6 +98,8 @@ class RunHooks:
             fn(**kwargs)
 
     def close(self) -> None:
+        if self._profile is not None:
+            self._profile.close()
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -109,7 +130,7 @@ def _human(n: int) -> str:
 def _rss_by_pid() -> dict[int, int]:
     """RSS of this process and its children (psutil when installed; else this process, from /proc)."""
     try:
-        import psutil
+        import psutil  # type: ignore[import-untyped,unused-ignore]
     except ImportError:
         try:
             with open("/proc/self/statm") as f:

@@ -296,6 +296,18 @@ class Session:
         """
         return inference.find_lr(self._parts, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps, **options)
 
+    def profile(self, steps: int = 10, *, top: int = 20, **options: Any) -> Any:
+        """Train ``steps`` more steps under torch's profiler → :class:`kit.profile.ProfileReport`: ``.table``
+        (pandas DataFrame of the ``top`` ops by self time), ``.trace_path`` (a Chrome trace in the run folder:
+        the folder of ``model``, else the working directory) and ``.result`` (the TrainResult).
+        ``options`` go to ``torch.profiler.profile`` (e.g. ``profile_memory=True``). See docs/run_tools.md."""
+        from kit.profile import profile_steps
+
+        model = self.config.typed_value("model")
+        run_dir = os.path.dirname(os.path.abspath(model)) if model else os.getcwd()
+        name = f"torch_profile.session-step{self.progress.global_train_step}.json"
+        return profile_steps(self.train_steps, check_n(steps), run_dir, name, top=top, **options)
+
     # ---- eval and forward ---------------------------------------------------------------
 
     def eval(self, datasets: Any = None) -> dict[str, dict[str, float]]:

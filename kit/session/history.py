@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from kit.engine.accounting import losses_device, read_normalized
 from kit.engine.memory import MemoryFigures
 from kit.engine.step import StepResult
-
 from kit.events import Event
 
 if TYPE_CHECKING:
