@@ -107,6 +107,9 @@ class Session:
         history = History(max_rows=history_max_rows)  # the one per-step store; views read it
         history.subscribe(events)
         history.memory_source = engine.memory_now  # None until the engine is set up
+        from kit.session.hot_edits import HotEdits
+
+        HotEdits(self.config, engine, history).attach(events)  # re-run cells: the next train call runs the new code
         # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
         self.debug_hook: Hook | None = self.config.typed_value("debug_hook") or debug.capture
         self._parts = SessionParts(self.config, events, engine, history, SessionViews(self, live), SessionState(),
