@@ -86,6 +86,7 @@ class Engine:
         self._calls = 0  # driver calls open now (deferred reads wait for their end)
         self._debugger: Debugger | None = None
         self._hooks = RunHooks(config)  # RETURNN's callbacks and memory switches of the config
+        self._reloader: Any = None  # use_hot_reloading's ConfigReloader, made when first needed
         self._stop_pending: str | None = None  # a run tool asked the loop's driver to stop (torch_profile, ...)
         self._stop_reason: str | None = None
         if config.typed_value("debug_hook") is not None:  # the CLI and torchrun too; a Session attaches its own
@@ -257,8 +258,17 @@ class Engine:
                 t.guard.read(self)
             t.guard.configure(GuardOptions.read(self.config, accelerator=b.device.type != "cpu" and not _many_devices(
                 b.model), distributed=b.dist is not None))
-            self._options = (self.config.version, StepOptions.read(self.config, keep_rng=self._debugger is not None))
+            self._options = (self.config.version, StepOptions.read(self.config, keep_rng=self._debugger is not None,
+                                                                   reloader=self._hot_reloader()))
         return self._options[1]
+
+    def _hot_reloader(self) -> Any:
+        """RETURNN's ``use_hot_reloading`` (a terminal on stdin): the reloader the train step asks through."""
+        from kit.engine import hot_reload
+
+        if self._reloader is None and hot_reload.should_use(self.config):
+            self._reloader = hot_reload.ConfigReloader(self.config)
+        return self._reloader
 
     # ---- the loop's units ---------------------------------------------------------------------
 

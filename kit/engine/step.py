@@ -73,10 +73,17 @@ class StepOptions:
     log_grad_norm: float | None = None  # log_grad_norm: p of the gradient norm scored on update steps
 
     @classmethod
-    def read(cls, config: Config, *, keep_rng: bool = False) -> StepOptions:
+    def read(cls, config: Config, *, keep_rng: bool = False, reloader: Any = None) -> StepOptions:
+        """``reloader``: a :class:`kit.engine.hot_reload.ConfigReloader` (``use_hot_reloading``) wraps the step."""
         accum = config.typed_value("accum_grad_multiple_step")
+        if reloader is not None:
+            from kit.engine.hot_reload import hot_step
+
+            fn = hot_step(config, "train_step", reloader)
+        else:
+            fn = config.typed_value("train_step")
         return cls(
-            train_step=config.typed_value("train_step"),
+            train_step=fn,
             accum_grad_multiple_step=accum,
             dynamic_learning_rate=config.typed_value("dynamic_learning_rate"),
             log_every=1 if config.int("log_verbosity") >= 4 else config.int("log_every_n_steps"),
