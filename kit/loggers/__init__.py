@@ -27,7 +27,7 @@ def tracker_params(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def make_tracker(kind: str, opts: Any, *, model_prefix: str | None, task: str = "train",
-                 config_file: str | None = None, params: Mapping[str, Any] | None = None) -> Tracker:
+                 config_file: str | None = None, params: Mapping[str, Any] | None = None, rank: int = 0) -> Tracker:
     """A tracker of ``kind`` (one of :data:`KINDS`) from its options, not yet attached."""
     if kind == "tensorboard":
         from kit.loggers.tensorboard import TensorBoardLogger
@@ -37,7 +37,7 @@ def make_tracker(kind: str, opts: Any, *, model_prefix: str | None, task: str = 
     if kind == "wandb":
         from kit.loggers.wandb import WandbLogger
 
-        return WandbLogger.from_options(opts, task=task, config_file=config_file, params=params)
+        return WandbLogger.from_options(opts, task=task, config_file=config_file, params=params, rank=rank)
     if kind == "mlflow":
         from kit.loggers.mlflow import MlflowLogger
 
@@ -71,9 +71,7 @@ def config_trackers(config: Any, events: Any, *, training: bool, rank: int,
     for kind, opts in _wanted(config).items():
         if rank and not (isinstance(opts, Mapping) and opts.get("all_ranks")):
             continue
-        if rank and isinstance(opts, Mapping) and kind == "wandb" and opts.get("id"):
-            opts = {**opts, "id": f"{opts['id']}-rank{rank}"}
         prefix = f"{model}.rank{rank}" if rank and model else model
         out.append(make_tracker(kind, opts, model_prefix=prefix, task="train", config_file=config.source,
-                                params=tracker_params(config)).attach(events, step))
+                                params=tracker_params(config), rank=rank).attach(events, step))
     return out

@@ -23,8 +23,9 @@ logger = logging.getLogger("kit")
 KIT_OPTIONS = ("log_every_n_train_steps", "all_ranks")
 
 
-def init_options(opts: Mapping[str, Any], *, task: str, config_file: str | None) -> dict[str, Any]:
-    """The ``wandb.init`` arguments RETURNN derives from ``wandb_opts``."""
+def init_options(opts: Mapping[str, Any], *, task: str, config_file: str | None, rank: int = 0) -> dict[str, Any]:
+    """The ``wandb.init`` arguments RETURNN derives from ``wandb_opts`` (a rank other than 0, with
+    ``all_ranks``: its own run, ``-rank<r>`` after the id)."""
     init = {k: v for k, v in opts.items() if k not in KIT_OPTIONS}
     init.setdefault("job_type", task)
     if config_file and not os.environ.get("WANDB_RUN_ID"):
@@ -32,6 +33,8 @@ def init_options(opts: Mapping[str, Any], *, task: str, config_file: str | None)
         init.setdefault("id", hashlib.sha256(repr(run_key).encode("utf-8")).hexdigest())
     if os.environ.get("SLURM_JOB_NAME"):
         init.setdefault("name", os.environ["SLURM_JOB_NAME"])
+    if rank and init.get("id"):
+        init["id"] = f"{init['id']}-rank{rank}"
     if not any(k in init for k in ("resume", "resume_from", "fork_from")):  # W&B takes one of them
         init.setdefault("resume", "allow")
     if task == "train" and not (init.get("id") or os.environ.get("WANDB_RUN_ID")):
@@ -60,11 +63,11 @@ class WandbLogger(Tracker):
 
     @classmethod
     def from_options(cls, opts: Any, *, task: str, config_file: str | None,
-                     params: Mapping[str, Any] | None = None) -> WandbLogger:
+                     params: Mapping[str, Any] | None = None, rank: int = 0) -> WandbLogger:
         if not isinstance(opts, Mapping):
             raise ConfigError(f"config key 'wandb_opts': got {opts!r}, expected a dict of wandb.init arguments "
                               "(and 'log_every_n_train_steps')")
-        return cls(init_options(opts, task=task, config_file=config_file),
+        return cls(init_options(opts, task=task, config_file=config_file, rank=rank),
                    log_every_n_train_steps=log_every_option(opts, "wandb_opts"), config=params)
 
     def log_metrics(self, metrics: Mapping[str, float], *, step: int, epoch: int) -> None:

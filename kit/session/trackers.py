@@ -29,5 +29,5 @@ def log_to(config: Any, events: Any, global_step: Any, tracker: str | Tracker, o
         if tracker == "csv" and not options:
             opts = True
         made = make_tracker(tracker, opts, model_prefix=f"{model}.rank{rank}" if rank and model else model,
-                            task=task, config_file=config.source, params=tracker_params(config))
+                            task=task, config_file=config.source, params=tracker_params(config), rank=rank)
     return made.attach(events, global_step)
