@@ -83,8 +83,8 @@ def _renewed(value: Any, reloaded: set[str]) -> Any:
 class ConfigReloader:
     """Watches the modules of a config's values (and its file); :meth:`reload` brings the changes in."""
 
-    def __init__(self, config: Any, ask: Ask = input):
-        self.config, self.ask = config, ask
+    def __init__(self, config: Any, ask: Ask | None = None):
+        self.config, self._ask = config, ask
         found: dict[str, None] = {}
         for name in config:
             _modules_of(config.typed_value(name), found)
@@ -137,7 +137,7 @@ class ConfigReloader:
             choices.update({"d": "debug", "e": "reraise"})
         choices["q"] = "quit"
         while True:
-            answer = self.ask("Hot reloading: " + ", ".join(f"'{k}' to {v}" for k, v in choices.items()) + ": ").strip()
+            answer = (self._ask or input)("Hot reloading: " + ", ".join(f"'{k}' to {v}" for k, v in choices.items()) + ": ").strip()
             if answer == "r":
                 if not self.reload():
                     print("No changes detected? Change the source code of:", ", ".join(self.modules) or "(none)")
