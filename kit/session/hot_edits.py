@@ -7,7 +7,7 @@ At each train call (``run_begin``) a function or class of the session that its m
 class was redefined gets the new class (``module.__class__``: its parameters and buffers stay). A code
 version (a hash of the sources of ``train_step``, ``forward_step`` and the model's own classes) is recorded
 per run segment: the history's ``code_version`` column says which version trained each step, the score
-meta's ``code_version`` which versions trained each epoch (comma-separated when it changed mid-epoch).
+meta's ``code_version`` which versions trained each epoch (written when the train call ends) (comma-separated when it changed mid-epoch).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class HotEdits:
 
     def attach(self, events: Any) -> HotEdits:
         events.on("run_begin", self.on_run_begin)
-        events.on("epoch_end", self.on_epoch_end)
+        events.on("run_end", self.on_run_end)
         return self
 
     def refresh(self) -> list[str]:
@@ -114,16 +114,20 @@ class HotEdits:
         i = bisect.bisect_right(starts, global_step) - 1
         return self.segments[i][1] if i >= 0 else None
 
-    def on_epoch_end(self, epoch: int, **_: Any) -> None:
+    def on_run_end(self, **_: Any) -> None:
+        """The epochs this call ended get their code versions in the score meta (one score file write)."""
         table = self.engine.scores
         if table is None or not self.segments:
             return
-        meta = table.meta(epoch)
-        first, end = meta.get("global_train_step"), meta.get("global_train_step_end")
-        if first is None or end is None:
-            return
-        versions = [v for s, v in self.segments if first <= s < end]
-        start = self.version_at(first)
-        used = list(dict.fromkeys(([start] if start else []) + versions))
-        table.set_meta(epoch, code_version=",".join(used))
-        self.engine.save_scores()
+        changed = False
+        for epoch in table.epochs:
+            meta = table.meta(epoch)
+            first, end = meta.get("global_train_step"), meta.get("global_train_step_end")
+            if "code_version" in meta or first is None or end is None or end <= self.segments[0][0]:
+                continue  # known already, not trained yet, or trained before this session
+            versions = [v for s, v in self.segments if first <= s < end]
+            start = self.version_at(first)
+            table.set_meta(epoch, code_version=",".join(dict.fromkeys(([start] if start else []) + versions)))
+            changed = True
+        if changed:
+            self.engine.save_scores()

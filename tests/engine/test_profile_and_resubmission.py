@@ -124,3 +124,15 @@ def test_cli_stops_for_resubmission_as_returnn(tmp_path):
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert kit.ScoreTable.load(tmp_path / "model.scores.json").epochs == [1, 2, 3]
+
+
+def test_cli_exits_0_after_the_profile_and_writes_nothing_more(tmp_path, capsys):
+    from kit.cli import main
+
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(CONFIG.replace("stop_for_resubmission_when_low_time_left = True", "")
+                   + f"model = {str(tmp_path / 'model')!r}\ntorch_profile = {FAST!r}\n")
+    assert main(["-q", "train", str(cfg)]) == 0
+    assert "stopped after torch profiling" in capsys.readouterr().err
+    assert (tmp_path / "torch_profile.json").is_file()
+    assert not list(tmp_path.glob("model.*.pt"))  # RETURNN exits after the profile: no checkpoint
