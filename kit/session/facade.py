@@ -109,7 +109,8 @@ class Session:
         history.memory_source = engine.memory_now  # None until the engine is set up
         from kit.session.hot_edits import HotEdits
 
-        HotEdits(self.config, engine, history).attach(events)  # re-run cells: the next train call runs the new code
+        HotEdits(self.config, history, model=lambda: engine.model, global_step=lambda: engine.progress.global_train_step,
+                 scores=lambda: engine.scores, save_scores=engine.save_scores).attach(events)  # re-run cells
         # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
         self.debug_hook: Hook | None = self.config.typed_value("debug_hook") or debug.capture
         self._parts = SessionParts(self.config, events, engine, history, SessionViews(self, live), SessionState(),

@@ -17,6 +17,7 @@ import hashlib
 import inspect
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("kit")
@@ -65,10 +66,15 @@ def code_version(functions: list[Any], classes: list[type]) -> str:
 
 
 class HotEdits:
-    """Subscribes to a session's events; ``segments`` holds ``(first global step, code version)``."""
+    """Subscribes to a session's events; ``segments`` holds ``(first global step, code version)``.
 
-    def __init__(self, config: Any, engine: Any, history: Any):
-        self.config, self.engine, self.history = config, engine, history
+    Reads the engine through what it needs: ``model()`` (None before set-up), ``global_step()``, ``scores()``
+    (the score table or None) and ``save_scores()``."""
+
+    def __init__(self, config: Any, history: Any, *, model: Callable[[], Any], global_step: Callable[[], int],
+                 scores: Callable[[], Any], save_scores: Callable[[], None]):
+        self.config, self.history = config, history
+        self._model, self._global_step, self._scores, self._save_scores = model, global_step, scores, save_scores
         self.segments: list[tuple[int, str]] = []
 
     def attach(self, events: Any) -> HotEdits:
@@ -86,7 +92,7 @@ class HotEdits:
                 changed.append(key)
         if updates:
             self.config.update(updates)
-        model = self.engine.model
+        model = self._model()
         for module in model.modules() if model is not None else []:
             new_cls = redefined(type(module))
             if new_cls is not None:
@@ -96,12 +102,12 @@ class HotEdits:
 
     def current_version(self) -> str:
         functions = [self.config.typed_value(k, None) for k in ("train_step", "forward_step")]
-        return code_version(functions, _own_classes(self.engine.model))
+        return code_version(functions, _own_classes(self._model()))
 
     def on_run_begin(self, **_: Any) -> None:
         changed = self.refresh()
         version = self.current_version()
-        step = self.engine.progress.global_train_step
+        step = self._global_step()
         if not self.segments or self.segments[-1][1] != version:
             if self.segments:
                 logger.info("code version %s from global step %d (%s)", version, step,
@@ -116,7 +122,7 @@ class HotEdits:
 
     def on_run_end(self, **_: Any) -> None:
         """The epochs this call ended get their code versions in the score meta (one score file write)."""
-        table = self.engine.scores
+        table = self._scores()
         if table is None or not self.segments:
             return
         changed = False
@@ -130,4 +136,4 @@ class HotEdits:
             table.set_meta(epoch, code_version=",".join(dict.fromkeys(([start] if start else []) + versions)))
             changed = True
         if changed:
-            self.engine.save_scores()
+            self._save_scores()
