@@ -72,6 +72,20 @@ def test_nothing_is_logged_unless_asked(tmp_path, monkeypatch):
     assert not [p for p in os.listdir(tmp_path) if p.endswith((".csv", ".db", ".tensorboard")) or p == "wandb"]
 
 
+def test_installed_tracker_packages_are_not_even_imported(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, kit\n"
+            "from tests.helpers.models import tiny_config\n"
+            f"s = kit.Session(**tiny_config({str(tmp_path / 'model')!r}, num_epochs=1))\n"
+            "s.train_steps(2); s.close()\n"
+            "print(sorted(m for m in ('wandb', 'mlflow', 'tensorboard') if m in sys.modules))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
+
+
 def test_wandb_offline_run_holds_returnns_metric_names(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
     from tests.loggers.wandb_file import history
