@@ -6,7 +6,9 @@ exit non-zero; ``--debug`` shows the traceback.
 ``train`` stops cleanly on Ctrl-C (SIGINT), SIGTERM and SIGUSR1 (what SLURM sends before a
 time limit or pre-emption, e.g. ``sbatch --signal=USR1@120``): the current step finishes, a
 step checkpoint is written, a line on stderr says how to resume, and the exit status is
-128 + the signal's number (130, 143, 138). The same command resumes bit-exactly. A second
+128 + the signal's number (130, 143, 138). The same command resumes bit-exactly. RETURNN's run tools stop it
+too: ``torch_profile`` (exit status 0, nothing written) and ``stop_for_resubmission_when_low_time_left``
+(a step checkpoint, SIGINT to the job's process group, exit status 1), see docs/run_tools.md. A second
 Ctrl-C within a second stops at once, without saving. These handlers live only here: library
 code installs none (the Session's own interrupt guard aside).
 """
@@ -46,6 +48,7 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 # exit status after a stop by signal: 128 + its number, as a shell reports a process killed by it
+RESUBMISSION = "low time left"  # kit.engine.resubmission.REASON (imported late: keeps the CLI's start fast)
 STOP_SIGNALS = {"interrupt": ("SIGINT", 130), "SIGTERM": ("SIGTERM", 143), "SIGUSR1": ("SIGUSR1", 138),
                 # a watcher's request (kit.attach(...).pause() / .stop()): as SIGUSR1
                 "attach: pause": ("a pause request (kit.attach)", 138),
@@ -76,7 +79,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             main = engine.dist is None or engine.dist.is_main  # under torchrun, rank 0 reports
             table = engine.scores
             if not finished:
-                return _stopped(engine, guard.reason, args, main)
+                return _stopped(engine, guard.reason or engine.stop_reason or "interrupt", args, main)
     finally:
         if bar:
             bar.close()
@@ -141,8 +144,16 @@ def _final_epoch_line_once(final_epoch: int) -> Iterator[None]:
 
 
 def _stopped(engine: Any, reason: str, args: argparse.Namespace, main: bool) -> int:
-    """After a stop by signal: a step checkpoint where the run stopped, a line saying how to resume."""
+    """After a stop by signal or run tool: a step checkpoint where the run stopped, a line saying how to resume.
+    ``torch_profile`` (exit_after_profile) writes nothing and exits 0, as RETURNN; a stop for resubmission
+    (low time left) signals the job's process group as RETURNN does and exits 1."""
+    if reason == "torch_profile":
+        if main:
+            print("kit: stopped after torch profiling (torch_profile's exit_after_profile)", file=sys.stderr)
+        return 0
     name, status = STOP_SIGNALS.get(reason, (reason, 130))
+    if reason == RESUBMISSION:
+        status = 1
     p = engine.progress
     saved = engine.last_checkpoint
     if engine.model_prefix and (saved is None or saved.global_train_step != p.global_train_step):
@@ -154,7 +165,23 @@ def _stopped(engine: Any, reason: str, args: argparse.Namespace, main: bool) -> 
         else:
             again = " ".join(shlex.quote(a) for a in ["python", "-m", "kit", "train", args.config, *args.overrides])
             print(f"kit: stopped by {name} at {where}; saved {saved.name}. Resume with: {again}", file=sys.stderr)
+    if reason == RESUBMISSION:
+        _interrupt_job_group()
     return status
+
+
+def _interrupt_job_group() -> None:
+    """RETURNN's stop for resubmission: SIGINT to the process group of the job's worker (Sisyphus sees a
+    cleanly interrupted job and resubmits it); under torchrun the parent's group. This process ignores it."""
+    import os
+
+    import torch.distributed
+
+    if not hasattr(os, "getpgid"):  # not POSIX: nothing to signal
+        return
+    pgid = os.getpgid(os.getppid()) if torch.distributed.is_torchelastic_launched() else os.getpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.kill(-pgid, signal.SIGINT)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

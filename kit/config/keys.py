@@ -277,9 +277,34 @@ def dataset_spec(v: Any) -> str | None:
 
 
 def _tensorboard_opts(v: Any) -> str | None:
-    from kit.tensorboard import check_options
+    from kit.loggers.tensorboard import check_options
 
     return check_options(v)
+
+
+def _dict_or_none(what: str) -> Check:
+    def check(v: Any) -> str | None:
+        return None if v is None or isinstance(v, dict) else what
+
+    return check
+
+
+def _csv_log(v: Any) -> str | None:
+    if v is None or isinstance(v, (bool, str, dict)):
+        return None
+    return "True, a file path, or {'path': .., 'log_every_n_train_steps': ..}"
+
+
+def _log_grad_norm(v: Any) -> str | None:
+    if v is None or isinstance(v, bool) or (isinstance(v, str) and v.lower() in ("true", "false", "none")):
+        return None
+    return None if _is_num(v) and v > 0 else "True (the 2-norm), a number p > 0, or False / None"
+
+
+def _torch_profile(v: Any) -> str | None:
+    from kit.profile import check_profile
+
+    return check_profile(v)
 
 
 def _k(section: str, name: str, type_: str, default: Any, doc: str, check: Check | None = None) -> Key:
@@ -306,6 +331,8 @@ _KEYS: list[Key] = [
     _k("data", "batch_size_train", "int | dict | callable", None, "batch_size for training only (RETURNN's); unset: batch_size", batch_limit(int_or_per_key())),
     _k("data", "batch_size_dev", "int | dict | callable", None, "batch_size for evaluation and forwarding (RETURNN's); unset: batch_size", batch_limit(int_or_per_key())),
     _k("data", "max_seqs", "int | callable", None, "maximum number of sequences per batch; a callable as for batch_size", batch_limit(optional_positive_int)),
+    _k("data", "packed_batch_size", "int | dict", None, "RETURNN's: also bound each batch's summed sequence lengths (no padding), per key or for all keys; both limits apply", int_or_per_key()),
+    _k("data", "sort_dataset", "bool", True, "RETURNN's: forward runs the data longest first (sorted_reverse); False keeps the dataset's own order", boolean),
     _k("data", "min_seq_length", "int | dict", None, "drop sequences shorter than this (per key or all keys)", int_or_per_key()),
     _k("data", "max_seq_length", "int | dict", None, "drop sequences longer than this (per key or all keys)", int_or_per_key()),
     _k("data", "chunking", "int | str | tuple | dict", None, "cut training sequences into chunks: size, 'size:step', (size, step), per-key dicts", chunking_spec),
@@ -330,12 +357,29 @@ _KEYS: list[Key] = [
     _k("training", "log_every_n_steps", "int", 10, "interval (in steps) of the per-step log line", positive_int),
     _k("training", "log_verbosity", "int", 3, "RETURNN-style verbosity; >=4 logs every step", non_negative_int),
     _k("training", "default_float_dtype", "str", None, "RETURNN's: the model's parameters, the batches' float tensors and torch's default dtype inside every step in this dtype", one_of(None, "float16", "bfloat16", "float32", "float64")),
+    _k("training", "calculate_exp_loss", "bool", False, "RETURNN's: add <loss>:exp = exp(loss) after every loss that is not an error (a perplexity), per step and per epoch (train_loss_ce:exp, dev_loss_ce:exp)", boolean),
+    _k("training", "log_grad_norm", "bool | float", False, "RETURNN's: score grad_norm:p<p> (train_loss_grad_norm:p2), the p-norm of the gradients after unscaling and before noise and clipping, on every update step; True is p=2", _log_grad_norm),
     _k("training", "torch_log_memory_usage", "bool", False, "add device memory to log lines", boolean),
     _k("training", "device", "str", None, "None: cuda, then mps, then cpu; 'gpu' requires a GPU; PT_DEVICE env var overrides", device_spec),
     _k("training", "torch_distributed", "dict", None, "under torchrun: {'reduce_type': 'grad' (DDP) or 'param' (averaging), 'param_sync_step', 'options' (DDP kwargs), 'backend'}"),
     _k("training", "forward_auto_split_batch_on_oom", "bool", True, "split a forward batch in halves on CUDA OOM", boolean),
     _k("training", "use_tensorboard", "bool", False, "write TensorBoard event files (train losses and learning rate per step, every eval score per epoch); needs the tensorboard package", boolean),
     _k("training", "tensorboard_opts", "dict", None, "{'log_every_n_train_steps': 100, 'log_dir': ..}; log_dir defaults to {model}.tensorboard beside the checkpoints (without 'model': SummaryWriter's ./runs/...)", _tensorboard_opts),
+    _k("trackers", "wandb_opts", "dict", None, "RETURNN's: log to Weights & Biases; the wandb.init arguments (+ 'log_every_n_train_steps', default 100; kit's 'all_ranks'); see docs/trackers.md", _dict_or_none("a dict of wandb.init arguments")),
+    _k("trackers", "mlflow_opts", "dict", None, "log to MLflow: {'tracking_uri', 'experiment_name', 'run_name', 'run_id', 'tags', 'log_params', 'log_every_n_train_steps', 'all_ranks'} (default store: sqlite {model}.mlflow.db); see docs/trackers.md", _dict_or_none("a dict of MLflow options, e.g. {'experiment_name': 'x'}")),
+    _k("trackers", "csv_log", "bool | str | dict", None, "append every logged metric to a CSV file (True: {model}.log.csv; a path; or {'path', 'log_every_n_train_steps', 'all_ranks'}); see docs/trackers.md", _csv_log),
+    _k("training", "torch_profile", "bool | dict", None, "RETURNN's: torch profiler traces of each train epoch (torch_profile.json in the run folder); dict: torch.profiler.profile options + exit_after_profile, once, ranks; see docs/run_tools.md", _torch_profile),
+    _k("training", "stop_for_resubmission_when_low_time_left", "bool", False, "RETURNN's: after an epoch, stop when SLURM's time left < the last epoch's wall time x the safety factor (CLI: step checkpoint, SIGINT to the job's process group, exit status 1); see docs/run_tools.md", boolean),
+    _k("training", "stop_for_resubmission_safety_factor", "float", 1.2, "RETURNN's: the factor on the last epoch's wall time for stop_for_resubmission_when_low_time_left", positive_number),
+    _k("training", "use_hot_reloading", "bool", False, "RETURNN's: with a terminal on stdin, each train step asks to reload changed modules (and the config file), retry the step, or continue; see docs/run_tools.md (notebooks: re-run the cell instead)", boolean),
+    _k("callbacks", "startup_callback", "callable", None, "RETURNN's: startup_callback(config=config), once when the engine sets up (before data and model)", optional_callable),
+    _k("callbacks", "epoch_start", "callable", None, "RETURNN's: fn(*, epoch, step, model, dataset_name, **kwargs) before the train epoch (dataset_name 'train') and before each eval dataset", optional_callable),
+    _k("callbacks", "epoch_end", "callable", None, "RETURNN's: fn(*, epoch, step, model, dataset_name, **kwargs) after the train epoch (before its checkpoint and eval) and after each eval dataset", optional_callable),
+    _k("memory", "watch_memory", "bool", False, "RETURNN's: a background thread logs 'MEMORY:' lines when this process or a child (data worker) appears, grows or exits", boolean),
+    _k("memory", "reset_dev_memory_caches", "bool", False, "RETURNN's: gc.collect() and torch.cuda.empty_cache() before each train epoch, eval and forward", boolean),
+    _k("memory", "PYTORCH_CUDA_ALLOC_CONF", "str", None, "RETURNN's: set as environment variable before CUDA starts (not with torch_distributed: a warning, as RETURNN)", optional_str),
+    _k("training", "log_batch_size", "bool", False, "RETURNN's: with log_verbosity >= 5, a line per train step with num_seqs and max_size/sum_size per data key", boolean),
+    _k("training", "use_lovely_tensors", "bool", False, "RETURNN's: lovely_tensors.monkey_patch() at set-up (tensor reprs as summaries); a warning when it is not installed", boolean),
     _k("training", "debug_hook", "callable", None, "callable(DebugContext) called on debug events (replaces debug_shell_before_train_loop)", optional_callable),
     # optimizer and learning rate
     _k("optimizer", "optimizer", "dict | class | callable", None, "{'class': 'adamw' | dotted path | type, **kwargs} (no 'lr': use learning_rate)", optimizer_spec),

@@ -255,8 +255,12 @@ def plan_batches(
     num_entries: int,
     batch_size: int | Mapping[str, int] | None,
     max_seqs: int | None = None,
+    packed_batch_size: int | Mapping[str, int] | None = None,
 ) -> list[tuple[int, int]]:
     """Greedy, order-keeping batches as ``[start, end)`` ranges over the entries.
+
+    ``packed_batch_size`` (RETURNN's): also ``sum of lengths including it <= packed_batch_size`` per key
+    (no padding counted).
 
     An entry joins the current batch while, for every key with a limit,
     ``max length including it × (n + 1) <= batch_size`` (padding counts) and the batch
@@ -272,6 +276,10 @@ def plan_batches(
     cols = [(np.max(np.stack([lens[k] for k in ks]), axis=0).astype(np.int64), lim) for lim, ks in by_limit.items()]
     if num_entries == 0:
         return []
+    if packed_batch_size is not None:
+        sums = [(lens[k].astype(np.int64).tolist(), lim) for k, lim in
+                per_key(packed_batch_size, list(lens), "packed_batch_size").items()]
+        return _greedy_loop_packed([(col.tolist(), lim) for col, lim in cols], sums, num_entries, max_seqs)
     if all(int(col.max()) * min(max_seqs, num_entries) <= lim for col, lim in cols):
         return _fixed_size(num_entries, max_seqs)  # no frame budget binds
     if len(cols) == 1:  # a plain loop: a few tens of ns per entry, cheaper than numpy calls per batch
@@ -354,6 +362,25 @@ def _greedy_loop(cols: list[tuple[list[int], int]], num_entries: int, max_seqs: 
                 ranges.append((start, j))
                 start, maxima = j, [0] * len(cols)
         maxima = [max(m, col[j]) for m, (col, _) in zip(maxima, cols)]
+    if num_entries > start:
+        ranges.append((start, num_entries))
+    return ranges
+
+
+def _greedy_loop_packed(cols: list[tuple[list[int], int]], sums: list[tuple[list[int], int]], num_entries: int,
+                        max_seqs: int) -> list[tuple[int, int]]:
+    """The greedy rule with RETURNN's ``packed_batch_size`` too: the batch's summed lengths stay in budget."""
+    ranges, start, maxima, totals = [], 0, [0] * len(cols), [0] * len(sums)
+    for j in range(num_entries):
+        n = j - start
+        if n:
+            fits = (n < max_seqs and all(max(m, col[j]) * (n + 1) <= lim for m, (col, lim) in zip(maxima, cols))
+                    and all(t + col[j] <= lim for t, (col, lim) in zip(totals, sums)))
+            if not fits:
+                ranges.append((start, j))
+                start, maxima, totals = j, [0] * len(cols), [0] * len(sums)
+        maxima = [max(m, col[j]) for m, (col, _) in zip(maxima, cols)]
+        totals = [t + col[j] for t, (col, _) in zip(totals, sums)]
     if num_entries > start:
         ranges.append((start, num_entries))
     return ranges

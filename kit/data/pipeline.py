@@ -91,6 +91,7 @@ class Pipeline:
         seq_indices: Sequence[int] | None = None,
         chunking_in_eval: bool = False,
         online_shuffle_batches: int | Mapping[str, int] | None = None,
+        packed_batch_size: int | Mapping[str, int] | None = None,
     ):
         self.dataset = make_dataset(dataset)
         self.extern_data = make_extern_data(extern_data)
@@ -103,6 +104,10 @@ class Pipeline:
         if problems:
             raise ConfigError(problems)
         self.batch_size, self.max_seqs = batch_size, max_seqs
+        self.packed_batch_size = packed_batch_size  # RETURNN's: a budget of summed lengths (no padding)
+        if packed_batch_size is not None and (callable(batch_size) or callable(max_seqs)):
+            raise ConfigError("'packed_batch_size' together with a callable 'batch_size' or 'max_seqs' is not "
+                              "supported: give batch_size/max_seqs as numbers, or drop packed_batch_size")
         self.min_seq_length, self.max_seq_length = min_seq_length, max_seq_length
         self.chunking = chunking if (train or chunking_in_eval) else None
         check_chunking = KEYS["chunking"].check
@@ -153,6 +158,7 @@ class Pipeline:
             "extern_data": cfg.typed_value("extern_data"),
             "batch_size": _batch_size(cfg, train),
             "max_seqs": cfg.typed_value("max_seqs"),
+            "packed_batch_size": cfg.typed_value("packed_batch_size"),
             "min_seq_length": cfg.typed_value("min_seq_length"),
             "max_seq_length": cfg.typed_value("max_seq_length"),
             "chunking": cfg.typed_value("chunking"),
@@ -235,7 +241,8 @@ class Pipeline:
         if callable(self.batch_size) or callable(self.max_seqs):  # RETURNN's limits per sequence
             ranges = batching.plan_batches_by_seq(lens, entries.seq_idx, order, epoch, self.batch_size, self.max_seqs)
         else:
-            ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs)
+            ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs,
+                                            self.packed_batch_size)
         # complete_frac by position: it stays in order when the batches are shuffled (as in RETURNN)
         self._fracs = batching.complete_fracs(order, entries.seq_idx, ranges)
         if self.shuffle_buffer is not None:

@@ -7,7 +7,8 @@ Python only when someone reads them (log interval, history, epoch end).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -15,6 +16,28 @@ import torch
 
 def _acc_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
+
+
+GRAD_NORM_PREFIX = "grad_norm:p"  # RETURNN's log_grad_norm score: not a loss of the run context
+
+
+def grad_norm_name(p: float) -> str:
+    """RETURNN's score name of the p-norm of the gradients (``grad_norm:p2``, ``grad_norm:p1.5``)."""
+    return GRAD_NORM_PREFIX + str(p).rstrip("0").rstrip(".")
+
+
+def with_exp(values: Mapping[str, float], skip: Iterable[str] = ()) -> dict[str, float]:
+    """RETURNN's ``calculate_exp_loss``: ``<name>:exp`` = exp(value) right after each loss that is not an
+    error (``skip``) nor the gradient norm (a perplexity for a cross-entropy); overflow gives inf."""
+    skipped, out = set(skip), {}
+    for key, value in values.items():
+        out[key] = value
+        if key not in skipped and GRAD_NORM_PREFIX not in key:
+            try:
+                out[f"{key}:exp"] = math.exp(value)
+            except OverflowError:
+                out[f"{key}:exp"] = float("inf")
+    return out
 
 
 class StepLosses:
@@ -25,13 +48,24 @@ class StepLosses:
     and the epoch accounting adds the scalars as they are.
     """
 
-    __slots__ = ("names", "sums", "norms", "errors", "_values", "_cache")
+    __slots__ = ("names", "sums", "norms", "errors", "exp", "_values", "_cache")
 
     def __init__(self, names: list[str], sums: list[torch.Tensor], norms: list[torch.Tensor],
-                 errors: frozenset[str] = frozenset()):
+                 errors: frozenset[str] = frozenset(), exp: bool = False):
         self.names, self.sums, self.norms, self.errors = names, sums, norms, errors
+        self.exp = exp  # calculate_exp_loss: what is reported adds <name>:exp
         self._values: torch.Tensor | None = None
         self._cache: dict[str, float] | None = None
+
+    def with_score(self, name: str, value: torch.Tensor) -> StepLosses:
+        """These losses and one more score of norm 1 (RETURNN's ``grad_norm:p2`` of an update step)."""
+        one = torch.ones((), dtype=torch.float64, device=value.device)
+        return StepLosses([*self.names, name], [*self.sums, value.detach()], [*self.norms, one], self.errors, self.exp)
+
+    def reported(self, normalized: Mapping[str, float] | None = None) -> dict[str, float]:
+        """What a log line shows of these losses: :meth:`normalized`, with ``:exp`` scores when asked."""
+        values = self.normalized() if normalized is None else dict(normalized)
+        return with_exp(values, self.errors) if self.exp else values
 
     @property
     def values(self) -> torch.Tensor:
@@ -172,13 +206,15 @@ class EpochAccounting:
                 self._totals[name] = pair if prev is None else prev + pair
         self._run_names, self._run = None, []
 
-    def scores(self, prefix: str) -> dict[str, float]:
-        """``{prefix + name: Σ sum / Σ norm}`` — frame-weighted, RETURNN's epoch score."""
+    def scores(self, prefix: str, *, exp: bool = False) -> dict[str, float]:
+        """``{prefix + name: Σ sum / Σ norm}`` — frame-weighted, RETURNN's epoch score; ``exp``: with RETURNN's
+        ``<name>:exp`` scores (``calculate_exp_loss``)."""
         if not self.totals:
             return {}
         names = list(self.totals)
         host = torch.stack([self.totals[n] for n in names]).to("cpu", torch.float64)
-        return {prefix + n: float(host[i, 0] / host[i, 1]) for i, n in enumerate(names)}
+        values = {prefix + n: float(host[i, 0] / host[i, 1]) for i, n in enumerate(names)}
+        return with_exp(values, self.error_keys(prefix)) if exp else values
 
     def error_keys(self, prefix: str) -> set[str]:
         return {prefix + n for n in self.errors}

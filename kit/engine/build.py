@@ -84,10 +84,9 @@ def build_training(config: Config, built: Built) -> Training:
     return Training(updater, Schedule(lr_control, updater), pipeline, guard)
 
 
-def config_loggers(config: Config, events: Events, enabled: bool, step: Callable[[], int]) -> list[Any]:
-    """Views that a config key turns on, for the CLI and a Session alike (training, rank 0 only)."""
-    if not enabled or not config.bool("use_tensorboard"):
-        return []
-    from kit.tensorboard import TensorBoardLogger
+def config_loggers(config: Config, events: Events, training: bool, rank: int, step: Callable[[], int]) -> list[Any]:
+    """Trackers that config keys turn on (kit.loggers), for the CLI and a Session alike (training; rank 0
+    unless a tracker's options ask for all ranks)."""
+    from kit.loggers import config_trackers
 
-    return [TensorBoardLogger.from_config(config, events, step)]
+    return config_trackers(config, events, training=training, rank=rank, step=step)

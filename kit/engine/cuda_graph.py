@@ -290,7 +290,7 @@ class GraphedStep:
         if updated and self.opts.capture_optimizer:
             p.update_done()  # the graph's update, for a step the guard let through
         elif updated:
-            grad_norm = eager.update(p, b, t)
+            grad_norm, _ = eager.update(p, b, t)  # (log_grad_norm is not reported for a graphed step)
         t.accounting.add(losses)
         result = eager.StepResult(p.epoch, p.step_in_epoch, p.global_train_step, lr, updated,
                                   time.perf_counter() - started, batch.num_seqs, batch.complete_frac, losses,

@@ -31,6 +31,7 @@ from kit.engine.guard import GuardOptions
 from kit.engine.loop import EpochDone, TrainingLoop
 from kit.engine.memory import MemoryFigures
 from kit.engine.progress import Progress
+from kit.engine.run_hooks import RunHooks
 from kit.engine.state import TrainingState, cpu_copy, detached_copy
 from kit.engine.step import StepOptions, StepResult
 from kit.errors import DataError, KitError
@@ -82,13 +83,17 @@ class Engine:
         self._options: tuple[int, StepOptions] | None = None
         self._graphed: GraphedStep | None = None  # torch_cuda_graph's step (built with the options)
         self._eval_errors: dict[str, set[str]] = {}  # eval dataset -> its error score keys
-        self._loggers: list[Any] = []  # subscribers the config asks for (use_tensorboard); closed by close()
+        self._loggers: list[Any] = []  # trackers the config asks for (kit.loggers); closed by close()
         self._lock: PrefixLock | None = None  # while this engine trains into `model`
         self._last_checkpoint: Checkpoint | None = None
         self._closed_scores: ScoreTable | None = None
         self._epoch_start_time = 0.0
         self._calls = 0  # driver calls open now (deferred reads wait for their end)
         self._debugger: Debugger | None = None
+        self._hooks = RunHooks(config)  # RETURNN's callbacks and memory switches of the config
+        self._reloader: Any = None  # use_hot_reloading's ConfigReloader, made when first needed
+        self._stop_pending: str | None = None  # a run tool asked the loop's driver to stop (torch_profile, ...)
+        self._stop_reason: str | None = None
         if config.typed_value("debug_hook") is not None:  # the CLI and torchrun too; a Session attaches its own
             self.attach_debugger(lambda: self.config.typed_value("debug_hook"), self._keep_failure)
 
@@ -228,9 +233,13 @@ class Engine:
         """Device, datasets, score table, model (resumed or fresh); cheap once done."""
         if self._built is not None:
             return
+        self._hooks.startup()
         built, start, self._lock = build.build_parts(self.config, self.events, training=self.training)
         self._built = built
-        self._loggers = build.config_loggers(self.config, self.events, self.training and built.dist_is_main,
+        self._hooks.attach(self.events, request_stop=self.request_stop, final_epoch=lambda: self.final_epoch,
+                           progress=lambda: self._progress, rank=built.dist.rank if built.dist else None,
+                           world_size=built.dist.world_size if built.dist else 1, training=self.training)
+        self._loggers = build.config_loggers(self.config, self.events, self.training, built.dist.rank if built.dist else 0,
                                              lambda: self._progress.global_train_step)
         self._progress = Progress.starting_at(start.epoch, start.global_train_step)
         if start.train_state is not None:
@@ -265,13 +274,22 @@ class Engine:
                 t.guard.read(self)
             t.guard.configure(GuardOptions.read(self.config, accelerator=b.device.type != "cpu" and not _many_devices(
                 b.model), distributed=b.dist is not None))
-            self._options = (self.config.version, StepOptions.read(self.config, keep_rng=self._debugger is not None))
+            self._options = (self.config.version, StepOptions.read(self.config, keep_rng=self._debugger is not None,
+                                                                   reloader=self._hot_reloader()))
             self._graphed = GraphedStep.for_config(self.config, b, t, accum=self._options[1].accum_grad_multiple_step)
         return self._options[1]
 
     def _step_fn(self) -> Callable[..., StepResult]:
         """The step the loop runs: the eager box, or ``torch_cuda_graph``'s graphed / compiled one."""
         return step.train_step if self._graphed is None else self._graphed.train_step
+
+    def _hot_reloader(self) -> Any:
+        """RETURNN's ``use_hot_reloading`` (a terminal on stdin): the reloader the train step asks through."""
+        from kit.engine import hot_reload
+
+        if self._reloader is None and hot_reload.should_use(self.config):
+            self._reloader = hot_reload.ConfigReloader(self.config)
+        return self._reloader
 
     # ---- the loop's units ---------------------------------------------------------------------
 
@@ -367,6 +385,8 @@ class Engine:
         b.model.train()
         if announce:
             logger.info("start epoch %d, global train step %d, learning rate %g", p.epoch, p.global_train_step, lr)
+            self._hooks.reset_memory_caches()
+            self._hooks.epoch_start(epoch=p.epoch, step=p.global_train_step, model=b.model, dataset_name="train")
             self.events.emit(EpochBegin(p.epoch, lr))
 
     def _end_epoch(self) -> dict[str, Any]:
@@ -376,8 +396,10 @@ class Engine:
         epoch = p.epoch
         if t.accounting.num_steps == 0:
             raise DataError(f"epoch {epoch}: the training dataset gave no batches")
-        table.set_scores(epoch, t.accounting.scores("train_loss_"), errors=t.accounting.error_keys("train_loss_"))
+        table.set_scores(epoch, t.accounting.scores("train_loss_", exp=self.config.bool("calculate_exp_loss")),
+                         errors=t.accounting.error_keys("train_loss_"))
         table.set_meta(epoch, **self._epoch_meta(b, t))
+        self._hooks.epoch_end(epoch=epoch, step=p.global_train_step, model=b.model, dataset_name="train")
         self.record_eval(epoch, self.eval_model())
         p.end_epoch()
         logger.info("finished epoch %d: %s", epoch, format_scores(table.scores(epoch)))
@@ -419,6 +441,20 @@ class Engine:
 
     # ---- driver calls ---------------------------------------------------------------------------
 
+    def request_stop(self, reason: str) -> None:
+        """Ask the driver to stop at the next unit boundary (a run tool: ``torch_profile``, ``low time left``)."""
+        self._stop_pending = self._stop_reason = reason
+
+    def take_stop_request(self) -> str | None:
+        """The pending stop request's reason, cleared (a driver stops for it); None when none is pending."""
+        reason, self._stop_pending = self._stop_pending, None
+        return reason
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why a run tool last asked training to stop (the CLI's exit status reads it); None: never."""
+        return self._stop_reason
+
     @contextlib.contextmanager
     def driver_call(self) -> Iterator[None]:
         """A driver's ``train_*`` call (or a time slice of one): the steps inside do not read the guard's
@@ -452,7 +488,7 @@ class Engine:
             while (unit := self.loop.next_unit()) is not None:
                 if isinstance(unit, EpochDone):
                     return unit.scores
-                if should_stop is not None and should_stop():
+                if (should_stop is not None and should_stop()) or self.take_stop_request():
                     outcome.value = "paused"
                     return None
         return None
@@ -462,7 +498,7 @@ class Engine:
         self.prepare_training()
         with self.loop.driven("train") as outcome, self.driver_call():
             while self.loop.next_unit() is not None:
-                if should_stop is not None and should_stop() and not self.all_trained:
+                if ((should_stop is not None and should_stop()) or self.take_stop_request()) and not self.all_trained:
                     outcome.value = "paused"
                     return False
         return True
@@ -482,14 +518,17 @@ class Engine:
         if not datasets:
             return {}
         self.events.emit(EvalBegin(list(datasets)))
+        self._hooks.reset_memory_caches()
         rng, was_training = RngState.capture(), b.model.training
         b.model.eval()
         try:
             with torch.no_grad():
                 results = {}
+                p = self._progress
                 for name, dataset in datasets.items():
-                    results[name], self._eval_errors[name] = evaluate_dataset(
-                        b, self.config, self._progress, name, dataset)
+                    self._hooks.epoch_start(epoch=p.epoch, step=p.global_train_step, model=b.model, dataset_name=name)
+                    results[name], self._eval_errors[name] = evaluate_dataset(b, self.config, p, name, dataset)
+                    self._hooks.epoch_end(epoch=p.epoch, step=p.global_train_step, model=b.model, dataset_name=name)
         finally:
             rng.restore()
             b.model.train(was_training)
@@ -625,6 +664,7 @@ class Engine:
     def forward(self, data: Any, callback: Any = None, *, seq_indices: list[int] | None = None) -> Any:
         from kit.engine.forward import run_forward
 
+        self._hooks.reset_memory_caches()
         return run_forward(self._built_parts(), self.config, self._progress, data, callback, seq_indices=seq_indices)
 
     def release_prefix_lock(self) -> None:
@@ -649,6 +689,7 @@ class Engine:
         for view in self._loggers:
             view.close()
         self._loggers.clear()
+        self._hooks.close()
         if self._lock is not None:
             self._lock.release()
             self._lock = None

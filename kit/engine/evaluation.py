@@ -48,4 +48,4 @@ def evaluate_dataset(b: Built, config: Config, p: Progress, name: str,
     if acc.num_steps == 0:
         raise DataError(f"eval dataset {name!r} is empty (or every sequence was filtered out)")
     prefix = f"{name}_loss_"
-    return acc.scores(prefix), acc.error_keys(prefix)
+    return acc.scores(prefix, exp=config.bool("calculate_exp_loss")), acc.error_keys(prefix)

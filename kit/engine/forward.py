@@ -128,9 +128,11 @@ class _Forward:
             return
         from kit.data.pipeline import Pipeline
 
-        # longest first: an OOM shows up at once, not after an hour; the user's dataset object is untouched
+        # longest first (RETURNN's sort_dataset): an OOM shows up at once, not after an hour; the user's dataset
+        # object is untouched
         pipeline = Pipeline.from_config(data, self.config, train=False, extern_data=_keys_of(self.b.extern_data, data),
-                                        seq_ordering="sorted_reverse", seq_indices=seq_indices)
+                                        seq_ordering="sorted_reverse" if self.config.bool("sort_dataset") else None,
+                                        seq_indices=seq_indices)
         pipeline.set_epoch(self.epoch)
         try:
             yield from pipeline

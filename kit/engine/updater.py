@@ -209,6 +209,12 @@ class Updater:
                 if grad is not None:
                     grad.add_(truncated_normal_like(grad, std))
 
+    @property
+    def clip_returns_raw_norm(self) -> bool:
+        """:meth:`clip_gradients` returns the 2-norm of the gradients as they came: norm clipping is set and
+        neither noise nor value clipping changes them before (RETURNN reuses that norm for ``log_grad_norm``)."""
+        return bool(self._grad_clip_norm) and not self._grad_noise and not self._grad_clip
+
     def clip_gradients(self, need_grad_norm: bool = False) -> torch.Tensor | None:
         """Clip by value (``gradient_clip``), then by global norm (``gradient_clip_global_norm``).
 

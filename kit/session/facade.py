@@ -107,6 +107,10 @@ class Session:
         history = History(max_rows=history_max_rows)  # the one per-step store; views read it
         history.subscribe(events)
         history.memory_source = engine.memory_now  # None until the engine is set up
+        from kit.session.hot_edits import HotEdits
+
+        HotEdits(self.config, history, model=lambda: engine.model, global_step=lambda: engine.progress.global_train_step,
+                 scores=lambda: engine.scores, save_scores=engine.save_scores).attach(events)  # re-run cells
         # called with a kit.debug.DebugContext on before_train_loop / exception / nonfinite / step
         self.debug_hook: Hook | None = self.config.typed_value("debug_hook") or debug.capture
         self._parts = SessionParts(self.config, events, engine, history, SessionViews(self, live), SessionState(),
@@ -323,6 +327,18 @@ class Session:
         """
         return inference.find_lr(self._parts, start_lr=start_lr, end_lr=end_lr, num_steps=num_steps, **options)
 
+    def profile(self, steps: int = 10, *, top: int = 20, **options: Any) -> Any:
+        """Train ``steps`` more steps under torch's profiler → :class:`kit.profile.ProfileReport`: ``.table``
+        (pandas DataFrame of the ``top`` ops by self time), ``.trace_path`` (a Chrome trace in the run folder:
+        the folder of ``model``, else the working directory) and ``.result`` (the TrainResult).
+        ``options`` go to ``torch.profiler.profile`` (e.g. ``profile_memory=True``). See docs/run_tools.md."""
+        from kit.profile import profile_steps
+
+        model = self.config.typed_value("model")
+        run_dir = os.path.dirname(os.path.abspath(model)) if model else os.getcwd()
+        name = f"torch_profile.session-step{self.progress.global_train_step}.json"
+        return profile_steps(self.train_steps, check_n(steps), run_dir, name, top=top, **options)
+
     # ---- eval and forward ---------------------------------------------------------------
 
     def eval(self, datasets: Any = None) -> dict[str, dict[str, float]]:
@@ -393,6 +409,19 @@ class Session:
         print(text)
         return text
 
+    def log_to(self, tracker: Any, /, **options: Any) -> Any:
+        """Log this session's steps and epochs to a tracker: ``"tensorboard"``, ``"wandb"``, ``"mlflow"`` or
+        ``"csv"`` (``options`` as the config key's dict: ``wandb_opts``, ``mlflow_opts``, ...), or a
+        :class:`kit.loggers.Tracker`. Returns the tracker (``.close()`` turns it off; :meth:`close` closes it
+        too); None on a torchrun rank other than 0 unless ``all_ranks=True``. See docs/trackers.md."""
+        from kit.session.trackers import log_to
+
+        engine = self._parts.engine
+        made = log_to(self.config, self._parts.events, lambda: engine.progress.global_train_step, tracker, options)
+        if made is not None:
+            self.__dict__.setdefault("_trackers", []).append(made)
+        return made
+
     def dashboard(self) -> Any:
         """A live view of this session (:class:`kit.widgets.Dashboard`); show it as a cell's last line."""
         return self._parts.views.dashboard()
@@ -417,6 +446,8 @@ class Session:
 
         driver.close(self)  # the worker processes, if any
         drop_references_to([self, parts.engine], [parts.engine.model, parts.engine.optimizer])
+        for tracker in self.__dict__.pop("_trackers", []):
+            tracker.close()
         parts.engine.close()
         parts.breakpoints.release()
         parts.lifecycle.stashed_weights = None

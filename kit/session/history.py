@@ -14,6 +14,7 @@ inside a step, and the same whether or not a view watches.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ class History:
         self._pending_memory: dict[int, dict[str, int]] = {}  # position in _pending -> figures read there
         self._flush_at = flush_every  # pending steps that are read at once (fewer on the CPU)
         self._since_memory = 0  # steps since the memory figures were read
+        self.code_segments: list[tuple[int, str]] = []  # (first global step, code version): kit.session.hot_edits
 
     def subscribe(self, events: Events) -> None:
         events.on(Event.STEP_END, self.on_step_end)
@@ -119,7 +121,13 @@ class History:
         self._pending, self._pending_memory = [], {}
         losses = read_normalized([r.step_losses for r in pending])
         row = self._row
-        self.rows += [row(r, lo, memory.get(i)) for i, (r, lo) in enumerate(zip(pending, losses))]
+        new = [row(r, r.step_losses.reported(lo), memory.get(i)) for i, (r, lo) in enumerate(zip(pending, losses))]
+        if self.code_segments:
+            starts = [s for s, _ in self.code_segments]
+            for r in new:
+                i = bisect.bisect_right(starts, r["global_train_step"]) - 1
+                r["code_version"] = self.code_segments[i][1] if i >= 0 else None
+        self.rows += new
         while len(self.rows) > self.max_rows:
             # keep every other step by number (not by position), so rows stay on the stride's grid
             self.stride *= 2

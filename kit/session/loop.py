@@ -70,6 +70,8 @@ class LoopDriver:
                 parts.history.epoch_ended()
                 if goal == "epoch":
                     return "done", last, None
+            if (reason := parts.engine.take_stop_request()) is not None:  # a run tool's (torch_profile, ...)
+                interrupts.request(reason)
             if interrupts.requested and not parts.engine.all_trained:
                 self.steps_left = max(n - steps, 0)
                 return "paused", last, None
