@@ -116,6 +116,7 @@ class Session:
         self._parts = SessionParts(self.config, events, engine, history, SessionViews(self, live), SessionState(),
                                    World(), Breakpoints(engine, lambda: self.debug_hook))
         self._driver = LoopDriver(self._parts, yield_every_secs)
+        self._trackers: list[Any] = []  # log_to's, closed with the session
 
     @classmethod
     def from_config(cls, path: str | os.PathLike, /, **overrides: Any) -> Session:
@@ -419,7 +420,7 @@ class Session:
         engine = self._parts.engine
         made = log_to(self.config, self._parts.events, lambda: engine.progress.global_train_step, tracker, options)
         if made is not None:
-            self.__dict__.setdefault("_trackers", []).append(made)
+            self._trackers.append(made)
         return made
 
     def dashboard(self) -> Any:
@@ -446,8 +447,9 @@ class Session:
 
         driver.close(self)  # the worker processes, if any
         drop_references_to([self, parts.engine], [parts.engine.model, parts.engine.optimizer])
-        for tracker in self.__dict__.pop("_trackers", []):
+        for tracker in self._trackers:
             tracker.close()
+        self._trackers.clear()
         parts.engine.close()
         parts.breakpoints.release()
         parts.lifecycle.stashed_weights = None
