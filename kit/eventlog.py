@@ -30,6 +30,7 @@ DIST_POLL_STEPS = 20
 LOG_SUFFIX = ".events.jsonl"
 REQUEST_SUFFIX = ".request"
 REQUESTS = ("pause", "stop")
+WAIT_FOR_A_STEP = ("run_begin", "epoch_begin")  # written once the run has trained a step
 
 
 def log_path(prefix: str) -> str:
@@ -47,7 +48,10 @@ class EventLog:
                  distributed: bool = False):
         self.prefix, self.log_every, self.request, self.main = prefix, max(1, log_every), request, main
         self.distributed = distributed
-        self.file = open(log_path(prefix), "a", encoding="utf-8") if main else None  # noqa: SIM115 - kept open
+        # opened at the run's first step (a run that fails before one, e.g. on a config or data error, leaves
+        # no file); the lines before it wait in ``pending``
+        self.file: Any = None
+        self.pending: list[str] = []
         self.polled_at = 0.0
         self.requested: str | None = None
         if main:
@@ -63,9 +67,20 @@ class EventLog:
         events.on(Event.RUN_END, self.on_run_end)
 
     def write(self, event: str, **fields: Any) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}, default=str) + "\n")
-            self.file.flush()
+        if not self.main:
+            return
+        line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}, default=str) + "\n"
+        if self.file is None:
+            if event in WAIT_FOR_A_STEP:
+                self.pending.append(line)
+                return
+            if event in ("run_end", "exit"):  # the run trained nothing: no log
+                return
+            self.file = open(log_path(self.prefix), "a", encoding="utf-8")  # noqa: SIM115 - kept open
+            self.file.write("".join(self.pending))
+            self.pending.clear()
+        self.file.write(line)
+        self.file.flush()
 
     # ---- the bus -----------------------------------------------------------------------------------
 
@@ -77,7 +92,7 @@ class EventLog:
 
     def on_step_end(self, result: Any) -> None:
         step = result.global_train_step
-        if self.file is not None and result.step % self.log_every == 0:
+        if self.main and (self.file is None or result.step % self.log_every == 0):  # the first step opens the log
             self.write("step", epoch=result.epoch, step=result.step, global_train_step=step,
                        learning_rate=result.learning_rate, seconds=round(result.seconds, 6), losses=result.losses)
         if self.requested is None:

@@ -234,10 +234,10 @@ class LoopDriver:
         p, table = engine.progress, engine.scores
         epochs = [e for e in (table.epochs if table is not None else []) if table is not None and table.scores(e)]
         scores_epoch = epochs[-1] if epochs else None
-        # "done": the position of the call's last step (what a train_step() result always said);
-        # otherwise where the next step starts (paused, at a break point, or nothing left to train)
-        at = (last.epoch, last.step, last.global_train_step) if outcome == "done" and last is not None \
-            else (p.epoch, p.step_in_epoch, p.global_train_step)
+        # train_step() / train_steps(n) done: the position of the call's last step (what their StepResult
+        # always said); otherwise where the next step starts (after an epoch, paused, at a break point, ...)
+        at = (last.epoch, last.step, last.global_train_step) if outcome == "done" and goal == "steps" \
+            and last is not None else (p.epoch, p.step_in_epoch, p.global_train_step)
         return TrainResult(outcome, *at, last,
                            engine.epoch_scores(scores_epoch) if scores_epoch is not None else {}, scores_epoch,
                            debug, reason, goal, self.steps_left if outcome == "paused" else 0, self.mode)

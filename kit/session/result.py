@@ -25,8 +25,10 @@ Outcome = Literal["done", "finished", "paused", "break"]
 class TrainResult(Mapping[str, Any]):
     """How a train call ended, where training stands, and what it produced.
 
-    ``epoch`` / ``step`` / ``global_train_step``: for ``"done"``, the position of the call's last step
-    (as ``last_step`` has it); otherwise where the next step starts. ``last_step``: the last
+    ``epoch`` / ``step`` / ``global_train_step``: after ``train_step()`` / ``train_steps(n)`` that did
+    their steps, the position of the last step (as ``last_step`` has it, and as their result always
+    said); otherwise (an epoch or a run done, paused, a break point, finished) where the next step
+    starts. ``last_step``: the last
     step's :class:`~kit.StepResult` (None when the call ran none). ``scores``: the score row of the last
     epoch that finished (during this call or before). ``debug``: the break point's context. ``reason``:
     why it paused. ``goal`` / ``steps_left`` / ``mode``: what the call was doing and how it ran.
@@ -88,7 +90,9 @@ class TrainResult(Mapping[str, Any]):
         if self.outcome == "finished":
             return (f"finished: all {self.epoch - 1} epochs are trained, nothing left to train — "
                     "extend(n) or train(num_epochs=...) trains more")
-        return f"done: the last step was {where}"
+        if self.goal == "steps":
+            return f"done: the last step was {where}"
+        return f"done: next is {where}"
 
     def __str__(self) -> str:
         lines = [self.summary()]
