@@ -31,7 +31,7 @@ def test_table_marks_corrupt_and_incomplete(trained) -> None:
     assert states == {"model.001": "corrupt", "model.002": "incomplete", "model.003": "ok"}
     assert [value for _, value in widget.select.options] == ["model.001", "model.002", "model.003"]
     assert "dev_loss_ce" in widget.text().splitlines()[0]
-    score = trained.score_table.scores(3)["dev_loss_ce"]
+    score = trained.info().score_table.scores(3)["dev_loss_ce"]
     assert f"{score:.4g}" in widget.text().splitlines()[3]
     assert widget.text().splitlines()[3].endswith("★ best dev_loss_ce")  # among the loadable ones
     assert "★" not in widget.text().splitlines()[1] + widget.text().splitlines()[2]
