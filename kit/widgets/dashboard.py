@@ -438,8 +438,8 @@ class Dashboard(RunControls):
         """epoch, step in epoch, percent, ETA, seconds/step, learning rate, smoothed losses."""
         return progress_text(self.timeline, self._num_epochs(), running=self._running)
 
+    def status_text(self) -> str:
         status = str(self.session.status)
-        status = self.session.status
         if self.error:
             return f"{status} (dashboard detached: {self.error})"
         state = self.session.status.kind
