@@ -18,6 +18,7 @@ import io
 import logging
 import math
 import threading
+import time
 from typing import Any
 
 from kit.events import Event
@@ -61,6 +62,7 @@ class CheckpointWidget:
             self._build()
         self.refresh()
         self._pending_refresh: threading.Timer | None = None
+        self._session = session
         if session is not None:  # a new checkpoint (and the cleanup after an epoch's) shows up by itself
             for event in (Event.CHECKPOINT_SAVED, Event.EPOCH_END):
                 session.on(event, self._on_files_changed)
@@ -75,6 +77,14 @@ class CheckpointWidget:
         self._pending_refresh.start()
 
     def _refresh_quietly(self) -> None:
+        from kit.session.lifecycle import Status
+
+        kind = self._session.status.kind
+        if kind is Status.CLOSED:
+            return
+        if kind is Status.RUNNING:  # still training (the next epoch): read the files when it stops
+            self._on_files_changed()
+            return
         try:
             self.refresh()
         except Exception as exc:  # a timer thread: say it, never raise
@@ -83,8 +93,11 @@ class CheckpointWidget:
 
     def wait_for_refresh(self, timeout: float = 30.0) -> None:
         """Block until a refresh started by an event has run (for scripts and tests)."""
-        if self._pending_refresh is not None:
-            self._pending_refresh.join(timeout)
+        deadline = time.monotonic() + timeout
+        while (timer := self._pending_refresh) is not None and time.monotonic() < deadline:
+            timer.join(max(0.0, deadline - time.monotonic()))
+            if timer is self._pending_refresh:
+                break
 
     # ---- the widget -------------------------------------------------------------------
 
