@@ -82,3 +82,19 @@ def test_closing_summary(run) -> None:
     best = min((1, 2), key=lambda e: table.scores(e)["dev_loss_fer"])
     assert lines[1] == f"best dev_loss_fer {format_value(table.scores(best)['dev_loss_fer'])} at epoch {best}"
     assert lines[2] == f"files: {run}/model.*.pt (checkpoints), {run}/model.scores.json (scores)"
+
+
+def test_the_log_lines_sec_per_step_is_wall_clock_per_step(caplog) -> None:
+    """What happens between steps (data, views, a slow handler) counts, as in a progress bar's rate."""
+    import logging
+    import time
+
+    session = kit.Session(tiny_config(log_every_n_steps=4))
+    session.on("step_end", lambda **_: time.sleep(0.05))  # 50 ms outside the step's own compute
+    with caplog.at_level(logging.INFO, logger="kit"):
+        session.train_steps(9)
+    rates = [float(m.group(1)) for r in caplog.records
+             if (m := re.search(r"step [48], .*, ([\d.e-]+) sec/step$", r.getMessage()))]
+    assert len(rates) == 2 and all(rate >= 0.05 for rate in rates), rates  # the step's own seconds: a few ms
+    steps = session.history["seconds"]
+    assert steps.iloc[1:].max() < 0.05  # the control: the steps' own times leave the 50 ms out
