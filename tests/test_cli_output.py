@@ -98,3 +98,18 @@ def test_the_log_lines_sec_per_step_is_wall_clock_per_step(caplog) -> None:
     assert len(rates) == 2 and all(rate >= 0.05 for rate in rates), rates  # the step's own seconds: a few ms
     steps = session.history["seconds"]
     assert steps.iloc[1:].max() < 0.05  # the control: the steps' own times leave the 50 ms out
+
+
+def test_the_progress_bar_shows_the_same_wall_clock_rate() -> None:
+    import io
+    import time
+
+    from kit.widgets.terminal import TerminalProgress
+
+    session = kit.Session(tiny_config(), live=False)
+    out = io.StringIO()
+    TerminalProgress(session._parts.events, lambda: 3, file=out, min_interval=0.0)
+    session.on("step_end", lambda **_: time.sleep(0.05))
+    session.train_steps(6)
+    rates = [float(r) for r in re.findall(r"([\d.e-]+) s/step", out.getvalue())]
+    assert rates and all(rate >= 0.05 for rate in rates[1:]), rates

@@ -388,6 +388,7 @@ class Dashboard(RunControls):
                     step=last["step"] + 1,
                     frac=last["complete_frac"],
                     postfix=format_losses(self.timeline),
+                    secs_per_step=self.timeline.seconds_per_step(),
                 )
 
     def _update_plot(self) -> None:
