@@ -142,10 +142,15 @@ def test_no_label_is_clipped() -> None:
     """Every tick label and title lies inside the figure (the memory axis's 4-digit MiB too)."""
     fig = DashboardFigure()
     big = timeline(200, scores=3, errors=True)
-    big.memory = {"memory_rss": [(12_000 + g) * 2**20 for g in big.steps]}
+    big.memory = {"memory_rss": [(123_456 + g) * 2**20 for g in big.steps]}  # 6-digit MiB labels
+    big.losses["ce"] = big.smoothed["ce"] = [0.00012345 + 1e-7 * g for g in big.steps]  # long tick labels
     fig.render(big)
     renderer = fig.figure.canvas.get_renderer()
     box = fig.figure.bbox
-    for panel, ax in fig.axes.items():  # what is drawn of each panel: titles, tick labels, legend
-        ext = ax.get_tightbbox(renderer)
+    drawn = {panel: ax.get_tightbbox(renderer) for panel, ax in fig.axes.items()}  # titles, tick labels, legend
+    for panel, ext in drawn.items():
         assert box.x0 - 1 <= ext.x0 and ext.x1 <= box.x1 + 1 and box.y0 - 1 <= ext.y0 and ext.y1 <= box.y1 + 1, panel
+    for a in drawn:  # nor does one panel's labels run into another panel
+        for b in drawn:
+            if a < b:
+                assert not drawn[a].overlaps(drawn[b]), (a, b)
