@@ -19,6 +19,7 @@ import argparse
 import ast
 import contextlib
 import logging
+import os
 import shlex
 import signal
 import sys
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kit.errors import KitError
+from kit.scores import format_value
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -57,6 +59,8 @@ STOP_SIGNALS = {"interrupt": ("SIGINT", 130), "SIGTERM": ("SIGTERM", 143), "SIGU
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train to ``num_epochs``; Ctrl-C, SIGTERM or SIGUSR1 stop at the next step boundary with a step checkpoint."""
+    import time
+
     from kit.engine.engine import Engine
     from kit.session.interrupts import InterruptGuard
 
@@ -64,6 +68,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     guard = InterruptGuard()
     table = None
     event_log = None
+    started, first_epoch = time.monotonic(), 1
     bar = _progress_bar(engine) if not args.quiet else None
     try:
         with guard.held(), _requests_on(guard, "SIGTERM", "SIGUSR1"):
@@ -73,6 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             from kit.eventlog import attach_to
 
             event_log = attach_to(engine, guard.request)  # {model}.events.jsonl, and kit.attach's requests
+            first_epoch = engine.progress.epoch
             with _final_epoch_line_once(engine.final_epoch), \
                     bar.logging_redirected() if bar else contextlib.nullcontext():
                 finished = engine.train(should_stop=lambda: guard.requested)
@@ -90,7 +96,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     epochs = [e for e in table.epochs if table.has_scores(e)]
     if main and epochs:  # stdout: one line for scripts (the log on stderr leaves this one to it)
         last = epochs[-1]
-        print(f"finished epoch {last}: " + ", ".join(f"{k} {v:.4g}" for k, v in table.scores(last).items()))
+        print(f"finished epoch {last}: " + ", ".join(f"{k} {format_value(v)}" for k, v in table.scores(last).items()))
+        from kit.cli_views import train_summary
+
+        print(train_summary(table, first_epoch, engine.config.typed_value("model"), time.monotonic() - started))
     return 0
 
 
@@ -192,7 +201,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not results:
         raise KitError(f"{args.config}: no eval datasets (set 'dev', 'eval' or 'eval_datasets')")
     for name, scores in results.items():
-        print(f"{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items()))
+        print(f"{name}: " + ", ".join(f"{k} {format_value(v)}" for k, v in scores.items()))
     engine.close()
     return 0
 
@@ -222,10 +231,13 @@ _SCORE_SUFFIX = ".scores.json"
 
 
 def _run_paths(args: argparse.Namespace) -> tuple[str | None, str | None]:
-    """(model prefix, score file) of what the user named: a config file, a model prefix or a score file."""
-    import os
-
+    """(model prefix, score file) of what the user named: a run folder, a config file, a model prefix or a
+    score file."""
     what = args.config
+    if os.path.isdir(what):  # a run folder: its one score file / checkpoint prefix
+        from kit.cli_views import run_in_folder
+
+        return run_in_folder(what)
     if what.endswith((".py", ".config")) or (os.path.isfile(what) and _looks_like_config(what)):
         from kit.engine.parts import score_file_path
 
@@ -250,22 +262,28 @@ def cmd_scores(args: argparse.Namespace) -> int:
     _, path = _run_paths(args)
     if not path:
         raise KitError(f"{args.config}: no score file (set 'model' or 'learning_rate_file')")
-    print(ScoreTable.load(path))
+    from kit.cli_views import scores_text
+
+    if not os.path.exists(path):
+        raise KitError(f"{args.config}: no score file {path!r} (name a run folder, a model prefix, a config or a "
+                       f"score file)")
+    print(scores_text(ScoreTable.load(path), path))
     return 0
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     from kit import checkpoints
 
-    prefix, _ = _run_paths(args)
+    prefix, score_path = _run_paths(args)
     if not prefix:
         raise KitError(f"{args.config}: no model prefix (the config key 'model' is not set, or a score file "
                        f"not named <prefix>{_SCORE_SUFFIX})")
+    from kit.cli_views import checkpoints_text
+    from kit.scores import ScoreTable
+
     found = checkpoints.list_checkpoints(prefix)
-    for ckpt in found:
-        print(ckpt)
-    if not found:
-        print(f"no checkpoints under {prefix!r}")
+    table = ScoreTable.load(score_path) if score_path and os.path.exists(score_path) else None
+    print(checkpoints_text(found, table, prefix))
     return 0
 
 
@@ -277,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, text in [("train", cmd_train, "train up to num_epochs (resumes automatically)"),
                            ("eval", cmd_eval, "evaluate the eval datasets"),
                            ("forward", cmd_forward, "run forward_step over forward_data"),
-                           ("scores", cmd_scores, "print the score table (config, model prefix or score file)"),
-                           ("checkpoints", cmd_checkpoints, "list checkpoints (config, model prefix or score file)")]:
+                           ("scores", cmd_scores, "print the score table (run folder, config, model prefix or score file)"),
+                           ("checkpoints", cmd_checkpoints, "list checkpoints with sizes, verification and scores (run folder, config, model prefix or score file)")]:
         p = sub.add_parser(name, help=text)
         p.add_argument("config", help="RETURNN-style Python config file" if name not in ("scores", "checkpoints")
                        else "a config file, a model prefix or a score file")

@@ -293,11 +293,10 @@ def _json_default(value: Any) -> Any:
 
 
 def format_value(v: Any) -> str:
-    """RETURNN's number format: 3 decimals, or 3-digit scientific outside [1e-3, 1e3]."""
+    """kit's one number format (log lines, tables, CLI): 4 significant digits — ``0.5123``, ``0.0005106``,
+    ``1.234e+04``, ``0`` (never ``0.000e+00``)."""
     if isinstance(v, float):
-        if math.isfinite(v) and (abs(v) > 1.0e3 or abs(v) < 1.0e-3):
-            return f"{v:.3e}"
-        return f"{v:.3f}"
+        return f"{v:.4g}"
     return str(v)
 
 
@@ -315,12 +314,12 @@ def format_step_line(
     stage: str = "train",
     extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """``"ep 3 train, step 17, ce 0.512, fer 0.120, 0.081 sec/step"`` (RETURNN's per-step line)."""
+    """``"ep 3 train, step 17, ce 0.5123, fer 0.12, 0.0812 sec/step"`` (RETURNN's per-step line)."""
     parts = [f"ep {epoch} {stage}", f"step {step}"]
     parts += [f"{k} {format_value(float(v))}" for k, v in losses.items()]
     parts += [f"{k} {format_value(v)}" for k, v in (extra or {}).items()]
     if secs_per_step is not None:
-        parts.append(f"{secs_per_step:.3f} sec/step")
+        parts.append(f"{secs_per_step:.4g} sec/step")
     return ", ".join(parts)
 
 

@@ -148,8 +148,8 @@ def test_the_final_finished_epoch_line_shows_once(reference):
     assert err.count("finished epoch 1:") == 1  # the log keeps the other epochs' lines
 
 
-@pytest.mark.parametrize("what", ["cfg.py", "run/model", "run/model.scores.json"])
-def test_checkpoints_and_scores_accept_a_config_a_prefix_or_a_score_file(reference, capsys, what):
+@pytest.mark.parametrize("what", ["cfg.py", "run/model", "run/model.scores.json", "run", "run/"])
+def test_checkpoints_and_scores_accept_a_config_a_prefix_a_score_file_or_a_folder(reference, capsys, what):
     cwd = os.getcwd()
     os.chdir(reference[0])
     try:
@@ -159,5 +159,7 @@ def test_checkpoints_and_scores_accept_a_config_a_prefix_or_a_score_file(referen
         table = capsys.readouterr().out
     finally:
         os.chdir(cwd)
-    assert "model.001 [epoch 1" in listed and "model.002 [epoch 2" in listed
-    assert "ep 2: lr" in table
+    rows = [line.split() for line in listed.splitlines()[2:4]]
+    assert [r[:3] for r in rows] == [["model.001", "epoch", "1"], ["model.002", "epoch", "2"]]
+    assert "model.scores.json (2 epochs)" in table.splitlines()[0]
+    assert [line.split()[0] for line in table.splitlines()[2:4]] == ["1", "2"]

@@ -180,7 +180,7 @@ def test_to_pandas_columns_and_index():
 def test_reprs():
     table = filled_table()
     text = repr(table)
-    assert "ep 1: lr 0.001," in text and "dev_loss_ce 2.000" in text and "ep 2: lr 0.0005," in text
+    assert "ep 1: lr 0.001," in text and "dev_loss_ce 2," in text and "ep 2: lr 0.0005," in text
     pytest.importorskip("pandas")
     assert "<table" in table._repr_html_() and "dev_loss_ce" in table._repr_html_()
 
@@ -193,8 +193,9 @@ def test_import_kit_scores_does_not_import_pandas():
 
 def test_step_line_has_returnns_shape():
     line = format_step_line(3, 17, {"ce": 0.5123, "fer": 0.12}, 0.0812)
-    assert line == "ep 3 train, step 17, ce 0.512, fer 0.120, 0.081 sec/step"
+    assert line == "ep 3 train, step 17, ce 0.5123, fer 0.12, 0.0812 sec/step"  # 4 significant digits
     assert format_step_line(1, 0, {"ce": 12345.0}, None, stage="dev") == "ep 1 dev, step 0, ce 1.234e+04"
+    assert format_step_line(1, 0, {"fer": 0.0, "ce": 5.106e-4}) == "ep 1 train, step 0, fer 0, ce 0.0005106"
 
 
 def test_epoch_summary_groups_by_dataset():
@@ -204,7 +205,7 @@ def test_epoch_summary_groups_by_dataset():
         error_keys={"train_loss_fer"},
         learning_rate=1e-3,
     )
-    assert line == "ep 3, lr 0.001, train: score ce 0.500 error fer 0.100, dev: score ce 0.600"
+    assert line == "ep 3, lr 0.001, train: score ce 0.5 error fer 0.1, dev: score ce 0.6"
 
 
 # ---- corrupt files: always a ScoreFileError naming the file and what is wrong ---------------------------

@@ -73,6 +73,7 @@ class Engine:
     def __init__(self, config: Config, *, events: Events | None = None, task: str = "train"):
         self.config = config
         self.events = events or Events()
+        self._log_mark: tuple[float, int, int] | None = None  # (perf_counter, epoch, global step) at the last log line
         self.loop = TrainingLoop(self)
         self.last_failure: DebugContext | None = None  # what kit.debug.capture kept (no Session)
         self._task = task
@@ -313,12 +314,21 @@ class Engine:
         # the log line and the step checkpoint, when due; the guard's flag is read where they read losses
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
             self.read_guard()
-            logger.info(format_step_line(result.epoch, result.step, result.losses, result.seconds))
+            logger.info(format_step_line(result.epoch, result.step, result.losses, self._wall_per_step(result)))
         if opts.save_every and p.global_train_step % opts.save_every == 0 and not t.guard.retraining:
             self.save_checkpoint(kind="step")
         if self._calls == 0:  # a bare call (outside any driver's call) reads the flag
             self.read_guard()
         return result
+
+    def _wall_per_step(self, result: StepResult) -> float:
+        """Wall-clock seconds per step since the last log line of this epoch (data, step, views, all that a
+        progress bar's rate counts); the step's own seconds for the epoch's first line."""
+        now = time.perf_counter()
+        mark, self._log_mark = self._log_mark, (now, result.epoch, result.global_train_step)
+        if mark is None or mark[1] != result.epoch or result.global_train_step <= mark[2]:
+            return result.seconds
+        return (now - mark[0]) / (result.global_train_step - mark[2])
 
     def probe_step(self, lr: float) -> StepResult:
         """One train step at the learning rate ``lr``, without events, log line or checkpoint, the guard in

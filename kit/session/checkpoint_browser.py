@@ -204,7 +204,7 @@ class CheckpointBrowser:
     def widget(self) -> Any:
         from kit.widgets.checkpoints import CheckpointWidget
 
-        return CheckpointWidget(self)
+        return CheckpointWidget(self, session=self._session)  # it refreshes on the session's checkpoint events
 
     def _repr_html_(self) -> str:
         try:

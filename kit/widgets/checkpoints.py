@@ -4,7 +4,8 @@ A list of the checkpoints with their scores (incomplete and corrupt files marked
 selecting one shows its scores, parameter statistics and the difference to the current
 model; buttons load it for inspection, restore the training state from it (after a
 confirmation: it rewinds the whole run), export its weights as safetensors, or delete it
-(after a confirmation). After every action the list, the details and the difference to the
+(after a confirmation). It refreshes itself when the session saves a checkpoint (and after the
+cleanup at an epoch's end); Refresh reads the files again at any time. After every action the list, the details and the difference to the
 current model are read again, and the message line shows that action's outcome only.
 Incomplete or corrupt checkpoints cannot be loaded, restored or exported.
 """
@@ -14,10 +15,17 @@ from __future__ import annotations
 import contextlib
 import html
 import io
+import logging
 import math
+import threading
+import time
 from typing import Any
 
+from kit.events import Event
 from kit.widgets.dashboard import default_mode
+
+logger = logging.getLogger("kit")
+REFRESH_DELAY_SECS = 0.2  # after a checkpoint event: the epoch end's cleanup comes right after the save
 
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 MAX_PARAM_ROWS = 40
@@ -41,7 +49,7 @@ def _score_keys(columns: list[str]) -> list[str]:
 class CheckpointWidget:
     """The checkpoint table of a :class:`kit.session.checkpoint_browser.CheckpointBrowser` as a widget."""
 
-    def __init__(self, browser: Any, *, mode: str | None = None):
+    def __init__(self, browser: Any, *, mode: str | None = None, session: Any = None):
         self.browser = browser
         self.mode = "text" if (mode or default_mode()) == "text" else "widget"
         self.rows: list[dict[str, Any]] = []
@@ -53,6 +61,43 @@ class CheckpointWidget:
         if self.mode == "widget":
             self._build()
         self.refresh()
+        self._pending_refresh: threading.Timer | None = None
+        self._session = session
+        if session is not None:  # a new checkpoint (and the cleanup after an epoch's) shows up by itself
+            for event in (Event.CHECKPOINT_SAVED, Event.EPOCH_END):
+                session.on(event, self._on_files_changed)
+
+    def _on_files_changed(self, **_: Any) -> None:
+        """Re-read the files soon, off the training thread (verifying a new checkpoint hashes its files); events
+        close together (a save, then the epoch end's cleanup) make one refresh after the last of them."""
+        if self._pending_refresh is not None:
+            self._pending_refresh.cancel()  # not started yet: the new one replaces it
+        self._pending_refresh = threading.Timer(REFRESH_DELAY_SECS, self._refresh_quietly)
+        self._pending_refresh.daemon = True
+        self._pending_refresh.start()
+
+    def _refresh_quietly(self) -> None:
+        from kit.session.lifecycle import Status
+
+        kind = self._session.status.kind
+        if kind is Status.CLOSED:
+            return
+        if kind is Status.RUNNING:  # still training (the next epoch): read the files when it stops
+            self._on_files_changed()
+            return
+        try:
+            self.refresh()
+        except Exception as exc:  # a timer thread: say it, never raise
+            logger.warning("checkpoint widget: refreshing after a new checkpoint failed: %s: %s",
+                           type(exc).__name__, exc)
+
+    def wait_for_refresh(self, timeout: float = 30.0) -> None:
+        """Block until a refresh started by an event has run (for scripts and tests)."""
+        deadline = time.monotonic() + timeout
+        while (timer := self._pending_refresh) is not None and time.monotonic() < deadline:
+            timer.join(max(0.0, deadline - time.monotonic()))
+            if timer is self._pending_refresh:
+                break
 
     # ---- the widget -------------------------------------------------------------------
 

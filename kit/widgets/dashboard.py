@@ -60,6 +60,7 @@ logger = logging.getLogger("kit")
 EVENTS = ("run_begin", "step_end", "epoch_end", "interrupt", "exception", "checkpoint_saved", "run_end")
 MODES = ("widget", "terminal", "text")
 ISOLATED_GAP_SECS = 0.5  # a run starting later than this after the last one ended stands alone
+LONG_RUN_SECS = 1.0  # a run at least this long always ends with its last frame drawn
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 
 def default_mode() -> str:
@@ -141,6 +142,8 @@ class Dashboard(RunControls):
         self._running = False
         self._run_id = 0
         self._run_ended_at: float | None = None
+        self._run_started_at = 0.0
+        self._late_frame: threading.Timer | None = None  # draws a skipped last frame once no run follows
         self._isolated_run = True  # not right after another run: its end always gets the last frame
         self._probe: tuple[int, float] | None = None
         self._last_step_at = 0.0
@@ -288,6 +291,8 @@ class Dashboard(RunControls):
     def _start_run(self) -> None:
         """A train_* call starts (``run_begin``)."""
         self._running, self._run_id = True, self._run_id + 1
+        self._cancel_late_frame()
+        self._run_started_at = self.clock()
         self._paused = self._train_error = self._resumable = None
         # a run starts when a cell does: its first frames come soon, whatever earlier runs drew;
         # train calls back to back (a loop in one cell) share the budget instead
@@ -304,23 +309,57 @@ class Dashboard(RunControls):
     def _finish_run(self) -> None:
         """The run ended (paused, finished, failed): last frame, static image in the output.
 
-        The picture is drawn for a run that stands alone (a cell's call); after calls back to
-        back only within the plot budget, so a loop of short train calls costs what one long one does.
+        The picture is drawn for a run that stands alone or lasted ``LONG_RUN_SECS`` (a cell's call);
+        after short calls back to back (a loop of ``train_step()``) only within the plot budget, so
+        such a loop costs what one long call does — and its last frame is drawn ``ISOLATED_GAP_SECS``
+        after the last call, when no other run followed.
         """
         with self._lock:
             self._running = False
-            self.refresh(plot=self._isolated_run or self._frame is None)
+            now = self.clock()
+            long_run = now - self._run_started_at >= LONG_RUN_SECS
+            draw = self._isolated_run or long_run or self._frame is None or self._plot_due(now)
+            self.refresh(plot=draw)
             self._run_ended_at = self.clock()
             if self.mode == "widget":
                 self.pause_button.disabled, self.pause_button.description = False, "Pause"
-                # the last frame is drawn (what a browser test can wait for)
-                self.widget.add_class("kit-dashboard-final")
-            if self._displays:
-                bundle = self._repr_mimebundle_()
-                for handle in self._displays:  # every place it is shown gets this dashboard's last frame
-                    handle.update(bundle, raw=True)
+                if draw:  # the last frame is drawn (what a browser test can wait for)
+                    self.widget.add_class("kit-dashboard-final")
+                else:
+                    self._schedule_late_frame()
+            self._update_displays()
             if self._terminal is not None:
                 self._terminal.close()
+
+    def _update_displays(self) -> None:
+        if self._displays:
+            bundle = self._repr_mimebundle_()
+            for handle in self._displays:  # every place it is shown gets this dashboard's last frame
+                handle.update(bundle, raw=True)
+
+    def _schedule_late_frame(self) -> None:
+        self._cancel_late_frame()
+        run_id = self._run_id
+
+        def draw() -> None:
+            with self._lock:
+                if self._running or self.detached or run_id != self._run_id:
+                    return
+                try:
+                    self.refresh(plot=True)
+                    self.widget.add_class("kit-dashboard-final")
+                    self._update_displays()
+                except Exception as exc:  # a timer thread: nothing above it would log the error
+                    self._detach_after_error(exc)
+
+        self._late_frame = threading.Timer(ISOLATED_GAP_SECS, draw)
+        self._late_frame.daemon = True
+        self._late_frame.start()
+
+    def _cancel_late_frame(self) -> None:
+        if self._late_frame is not None:
+            self._late_frame.cancel()
+            self._late_frame = None
 
     # ---- redraw -------------------------------------------------------------------------
 
@@ -349,6 +388,7 @@ class Dashboard(RunControls):
                     step=last["step"] + 1,
                     frac=last["complete_frac"],
                     postfix=format_losses(self.timeline),
+                    secs_per_step=self.timeline.seconds_per_step(),
                 )
 
     def _update_plot(self) -> None:
@@ -400,7 +440,7 @@ class Dashboard(RunControls):
         return progress_text(self.timeline, self._num_epochs(), running=self._running)
 
     def status_text(self) -> str:
-        status: str = self.session.status
+        status = str(self.session.status)
         if self.error:
             return f"{status} (dashboard detached: {self.error})"
         state = self.session.status.kind
@@ -470,6 +510,7 @@ class Dashboard(RunControls):
         """Stop watching the session (the view keeps its last state)."""
         self.detached = True
         self._running = False
+        self._cancel_late_frame()
         for event, fn in self._handlers:
             self.session.off(event, fn)
         if self._terminal is not None:

@@ -17,13 +17,16 @@ class TerminalView:
         self._bar: Any = None
         self._epoch: int | None = None
 
-    def update(self, *, epoch: int, num_epochs: int, step: int, frac: float | None, postfix: str) -> None:
+    def update(self, *, epoch: int, num_epochs: int, step: int, frac: float | None, postfix: str,
+               secs_per_step: float | None = None) -> None:
+        """``secs_per_step``: wall clock per step over the recent steps (what the log line's sec/step counts)."""
         bar = self._bar_for(epoch, num_epochs)
         if bar is None:
             return
         if frac is not None:
             bar.n = round(100 * min(max(frac, 0.0), 1.0), 1)
-        bar.set_postfix_str(f"step {step} {postfix}".strip(), refresh=False)
+        rate = f", {secs_per_step:.4g} s/step" if secs_per_step is not None else ""
+        bar.set_postfix_str(f"step {step}{rate} {postfix}".strip(), refresh=False)
         bar.refresh()
 
     def line(self, text: str) -> None:
@@ -97,7 +100,8 @@ class TerminalProgress:
 
             last = self.timeline.last
             self.view.update(epoch=last["epoch"], num_epochs=int(self.num_epochs()), step=last["step"] + 1,
-                             frac=last["complete_frac"], postfix=format_losses(self.timeline))
+                             frac=last["complete_frac"], postfix=format_losses(self.timeline),
+                             secs_per_step=self.timeline.seconds_per_step())
 
     def _on_epoch_end(self, epoch: int, **_: Any) -> None:
         self.view.close()  # the finished epoch's bar stays; the engine logs its scores below it

@@ -31,7 +31,7 @@ def test_table_marks_corrupt_and_incomplete(trained) -> None:
     assert states == {"model.001": "corrupt", "model.002": "incomplete", "model.003": "ok"}
     assert [value for _, value in widget.select.options] == ["model.001", "model.002", "model.003"]
     assert "dev_loss_ce" in widget.text().splitlines()[0]
-    score = trained.score_table.scores(3)["dev_loss_ce"]
+    score = trained.info().score_table.scores(3)["dev_loss_ce"]
     assert f"{score:.4g}" in widget.text().splitlines()[3]
     assert widget.text().splitlines()[3].endswith("★ best dev_loss_ce")  # among the loadable ones
     assert "★" not in widget.text().splitlines()[1] + widget.text().splitlines()[2]
@@ -138,3 +138,28 @@ def test_restore_asks_for_confirmation_and_every_action_refreshes_and_clears_the
     widget.confirm_no.click()
     widget.buttons["load"].click()
     assert "for inspection" in widget.message.value and "restored" not in widget.message.value
+
+
+def test_the_widget_refreshes_itself_on_new_checkpoints_and_cleanup(tmp_path) -> None:
+    """Shown once, it lists every checkpoint the session saves (and drops those the cleanup removes)
+    without a Refresh click."""
+    session = kit.Session(tiny_config(str(tmp_path / "model"), num_epochs=1,
+                                      cleanup_old_models={"keep_last_n": 1, "keep_best_n": 0}))
+    session.setup()
+    widget = session.checkpoints.widget()
+    assert widget.rows == []
+    session.train_steps(3)
+    session.save()  # a step checkpoint: the checkpoint_saved event
+    widget.wait_for_refresh()
+    assert [r["name"] for r in widget.rows] == ["model.001.step00000003"]
+    session.extend(3)
+    session.train()  # epoch checkpoints; the cleanup keeps the newest one only
+    widget.wait_for_refresh()
+    on_disk = [c.name for c in session.checkpoints.list()]
+    assert [r["name"] for r in widget.rows] == on_disk and "model.003" in on_disk
+    stale = CheckpointWidget(session.checkpoints, mode="text")  # a control: made without the session's events
+    session.extend(4)
+    session.train()
+    widget.wait_for_refresh()
+    assert [r["name"] for r in widget.rows] == [c.name for c in session.checkpoints.list()] != [
+        r["name"] for r in stale.rows]

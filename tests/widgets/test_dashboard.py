@@ -16,7 +16,8 @@ from helpers.models import params_equal, tiny_config
 
 import kit
 from kit.engine.accounting import StepLosses
-from kit.engine.engine import StepResult
+from kit.engine.step import StepResult
+from kit.events import StepEnd
 from kit.widgets import Dashboard
 from kit.widgets.dashboard import WIDGET_VIEW_MIME, default_mode
 from kit.widgets.plots import DashboardFigure
@@ -73,7 +74,7 @@ def test_state_after_steps_and_epoch_end() -> None:
 
     session.train_epoch()
     dash.refresh(plot=True)
-    expected = {k: v for k, v in session.score_table.scores(1).items()}
+    expected = {k: v for k, v in session.info().score_table.scores(1).items()}
     assert dash.timeline.scores[1] == pytest.approx({**expected, "learning_rate": 0.01})
     assert "epoch 1: train_loss_ce" in dash.summary()
 
@@ -94,7 +95,7 @@ def test_redraws_are_throttled_by_wall_time(monkeypatch) -> None:
     dash.image.observe(lambda change: images.append(change["new"]), names="value")
     for g in range(1000):  # one step every 100 ms for 100 s
         clock.t = g * 0.1
-        session.events.emit("step_end", result=fake_step(g))
+        session._parts.events.emit(StepEnd(fake_step(g)))
     assert dash.num_refreshes == 200  # text: at most twice per second
     times = [t for t, _ in renders]
     assert all(b - a >= 0.5 for a, b in zip(times, times[1:]))  # the picture too
@@ -121,14 +122,14 @@ def test_a_new_run_gets_a_frame_soon_after_earlier_runs_spent_the_budget(monkeyp
     monkeypatch.setattr(DashboardFigure, "render", render)
     for g in range(100):  # a first run of 10 s spends its burst: tokens are in deficit
         clock.t = g * 0.1
-        session.events.emit("step_end", result=fake_step(g))
+        session._parts.events.emit(StepEnd(fake_step(g)))
     dash._finish_run()  # e.g. paused; its last frame costs more
     assert dash._plot_tokens < 0
     clock.t += 1.0  # the user continues a second later
     start, before = clock.t, len(renders)
     for g in range(100, 120):  # the next run's first 2 s
         clock.t = start + (g - 100) * 0.1
-        session.events.emit("step_end", result=fake_step(g))
+        session._parts.events.emit(StepEnd(fake_step(g)))
     assert [t for t in renders[before:] if t < start + 1.0]  # a new frame within its first second
 
 
@@ -211,7 +212,7 @@ def test_pause_click_when_nothing_runs_is_a_no_op() -> None:
     dash.pause_button.click()
     assert "Nothing to pause" in dash.note.value
     result = session.train_steps(2)
-    assert not getattr(result, "paused", False) and session.global_train_step == 2
+    assert not getattr(result, "paused", False) and session.progress.global_train_step == 2
 
 
 def test_pause_in_background_mode() -> None:
@@ -239,7 +240,7 @@ def test_resume_continues_a_background_run_in_the_background() -> None:
     dash.resume_button.click()
     assert dash.resume_button.disabled and "Resumed (background)" in dash.note.value
     row = session.wait(timeout=120)
-    assert "train_loss_ce" in row and session.epoch == 2  # the epoch the paused call was training, finished
+    assert "train_loss_ce" in row and session.progress.epoch == 2  # the epoch the paused call was training, finished
     assert dash.timeline.num_steps == len(session.history)
 
 
@@ -250,7 +251,7 @@ def test_resume_continues_an_awaitable_run_on_the_event_loop() -> None:
     async def cell() -> None:
         dash = Dashboard(session, mode="widget")
         pause = session.on("step_end", lambda result, **_: result.global_train_step == 3 and dash.pause_button.click())
-        session.yield_every_secs = 0.0
+        session._driver.yield_every_secs = 0.0
         paused = await session.train_steps_async(10)
         assert (paused.goal, paused.steps_left, paused.mode) == ("steps", 6, "awaitable")
         session.off("step_end", pause)
@@ -258,7 +259,7 @@ def test_resume_continues_an_awaitable_run_on_the_event_loop() -> None:
         assert not dash.resume_button.disabled
         dash.resume_button.click()  # a click while the kernel's loop runs
         last = await dash.resume_task
-        steps.update(last=last.global_train_step, total=session.global_train_step)
+        steps.update(last=last.last_step.global_train_step, total=session.progress.global_train_step)
 
     asyncio.run(cell())
     assert steps == {"last": 9, "total": 10}  # the paused train_steps(10) did all its 10 steps
@@ -302,7 +303,7 @@ def test_says_when_pause_cannot_reach_a_blocking_call() -> None:
     async def awaiting():
         dash = Dashboard(session, mode="widget")
         session.on("step_end", look_during_step_4(dash))
-        session.yield_every_secs = 0.0
+        session._driver.yield_every_secs = 0.0
         await session.train_steps_async(4)
 
     seen.clear()
@@ -314,7 +315,7 @@ def test_says_when_pause_cannot_reach_a_blocking_call() -> None:
         dash = Dashboard(session, mode="widget")
         session.on("step_end", look_during_step_4(dash))
         session.on("step_begin", lambda step, **_: step % 2 and time.sleep(0.25))  # odd steps are slow
-        session.yield_every_secs = 0.05
+        session._driver.yield_every_secs = 0.05
         await session.train_steps_async(4)
 
     seen.clear()
@@ -442,13 +443,13 @@ def run_with_fake_cuda(monkeypatch, *, watched: bool) -> tuple[int, list[int], i
     cuda = FakeCuda(monkeypatch)
     session = kit.Session(tiny_config(num_epochs=1))
     session.setup()  # on the CPU; then the engine's meter reads the (fake) CUDA counters
-    session._parts.engine.memory = MemoryMeter(torch.device("cuda", 0))
+    session._parts.engine._built.memory = MemoryMeter(torch.device("cuda", 0))  # the test swaps a private part
     dash = Dashboard(session, mode="widget", max_redraws_per_sec=1e6) if watched else None
     session.train()
     if dash is not None:
         assert dash.num_refreshes > 5 and "step peak" in dash.memory_text()  # it watched, and read memory
     history = session.history
-    return session.score_table.meta(1)["peak_memory_bytes"], list(history["memory_peak"]), cuda.resets
+    return session.info().score_table.meta(1)["peak_memory_bytes"], list(history["memory_peak"]), cuda.resets
 
 
 def test_memory_peaks_are_the_engines_the_same_with_and_without_a_dashboard(monkeypatch) -> None:

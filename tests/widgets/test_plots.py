@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("matplotlib")
 from PIL import Image  # noqa: E402
 
-from kit.widgets.plots import ERRORS, LOSSES, PANELS, SCORE_ERRORS, SCORES, DashboardFigure  # noqa: E402
+from kit.widgets.plots import ERRORS, LOSSES, LR, MEMORY, PANELS, SCORE_ERRORS, SCORES, DashboardFigure  # noqa: E402
 
 
 def timeline(n: int, *, scores: int = 0, loss=lambda g: 2.0 * math.exp(-g / 50) + 0.1, errors: bool = False):
@@ -93,12 +93,14 @@ def test_non_finite_losses_and_a_new_legend_entry() -> None:
 def test_losses_and_error_rates_on_their_own_axes_with_readable_legends_and_placeholders() -> None:
     fig = DashboardFigure()
     fig.render(timeline(0))
-    for panel in PANELS:
+    assert fig.panels == (LOSSES, SCORES, MEMORY)  # nothing yet says there are error rates or a changing LR
+    for panel in fig.panels:
         assert fig._placeholders[panel].get_visible()  # every panel says what will appear
     assert fig._placeholders[SCORES].get_text() == "scores appear after epoch 1"
     fig.render(timeline(80, scores=2, errors=True))
+    assert fig.panels == (LOSSES, ERRORS, SCORES, SCORE_ERRORS, MEMORY)
     labels = {p: [ln.get_label() for ln in fig.axes[p].get_lines() if not ln.get_label().startswith("_")]
-              for p in PANELS}
+              for p in fig.panels}
     assert labels[LOSSES] == ["ce"] and labels[ERRORS] == ["fer"]
     assert set(labels[SCORES]) == {"train_loss_ce", "dev_loss_ce"}
     assert set(labels[SCORE_ERRORS]) == {"train_loss_fer", "dev_loss_fer"}
@@ -107,3 +109,48 @@ def test_losses_and_error_rates_on_their_own_axes_with_readable_legends_and_plac
     assert 0.09 < y_lo and y_hi < 0.16  # fitted to the error rates alone, not to the 2.0 loss
     for panel in (LOSSES, ERRORS, SCORES, SCORE_ERRORS):
         assert all(t.get_fontsize() >= 9 for t in fig.axes[panel].get_legend().get_texts())
+
+
+def test_panels_adapt_to_the_run_no_empty_frames() -> None:
+    """No error rates: no error panels; a constant LR: a number in a title, not a flat line."""
+    fig = DashboardFigure()
+    fig.render(timeline(50, scores=1))
+    assert fig.panels == (LOSSES, SCORES, MEMORY)
+    assert sum(ax.get_visible() for ax in fig.figure.axes) == 3  # no empty frame drawn
+    assert fig.axes[LOSSES].get_title().endswith("lr 0.001")
+    changing = timeline(50, scores=1)
+    changing.learning_rates = [1e-3 * (0.99**g) for g in range(50)]
+    fig.render(changing)
+    assert fig.panels == (LOSSES, LR, SCORES, MEMORY)
+    assert fig.plotted(LR, "lr")[1] == pytest.approx(changing.learning_rates)
+    assert "lr" not in fig.axes[LOSSES].get_title()
+    assert fig.axes[LR].get_ylim()[0] <= min(changing.learning_rates)
+
+
+def test_losses_spanning_orders_of_magnitude_get_a_log_axis() -> None:
+    fig = DashboardFigure()
+    fig.render(timeline(100, loss=lambda g: 0.9 ** g + 1e-3))  # 1.0 down to 1e-3
+    assert fig.axes[LOSSES].get_yscale() == "log"
+    y_lo, y_hi = fig.axes[LOSSES].get_ylim()
+    assert 0 < y_lo < 1.1e-3 and y_hi > 1.0
+    flat = DashboardFigure()
+    flat.render(timeline(100))  # 2.1 down to ~0.24: a linear axis reads well
+    assert flat.axes[LOSSES].get_yscale() == "linear"
+
+
+def test_no_label_is_clipped() -> None:
+    """Every tick label and title lies inside the figure (the memory axis's 4-digit MiB too)."""
+    fig = DashboardFigure()
+    big = timeline(200, scores=3, errors=True)
+    big.memory = {"memory_rss": [(123_456 + g) * 2**20 for g in big.steps]}  # 6-digit MiB labels
+    big.losses["ce"] = big.smoothed["ce"] = [0.00012345 + 1e-7 * g for g in big.steps]  # long tick labels
+    fig.render(big)
+    renderer = fig.figure.canvas.get_renderer()
+    box = fig.figure.bbox
+    drawn = {panel: ax.get_tightbbox(renderer) for panel, ax in fig.axes.items()}  # titles, tick labels, legend
+    for panel, ext in drawn.items():
+        assert box.x0 - 1 <= ext.x0 and ext.x1 <= box.x1 + 1 and box.y0 - 1 <= ext.y0 and ext.y1 <= box.y1 + 1, panel
+    for a in drawn:  # nor does one panel's labels run into another panel
+        for b in drawn:
+            if a < b:
+                assert not drawn[a].overlaps(drawn[b]), (a, b)

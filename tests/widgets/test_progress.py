@@ -44,7 +44,7 @@ def shown(monkeypatch) -> list[Handle]:
 def test_train_epoch_shows_one_line_updated_in_place_and_throttled(shown):
     with kit.Session(**tiny_config()) as s:
         s.train_epoch()
-        steps = s.global_train_step
+        steps = s.progress.global_train_step
     assert len(shown) == 1
     texts = [b["text/plain"] for b in shown[0].bundles]
     assert 2 <= len(texts) < steps / 2  # every 0.5 s of the fake clock, not every step
