@@ -345,6 +345,12 @@ def warn_config_changes(config: Config, start: Start) -> None:
 def resume_plan(config: Config, final_epoch: int) -> str | None:
     """Before set-up: where training will continue ("will resume from model.002, epoch 3"), read from the
     newest complete checkpoint's name (nothing is built, loaded or verified); None when it starts fresh."""
+    returnn_epoch = newest_returnn_epoch(config)
+    if returnn_epoch is not None:
+        name = f"{os.path.basename(config.typed_value('model'))}.{returnn_epoch:03d} (RETURNN's)"
+        if returnn_epoch >= final_epoch:
+            return f"trained to epoch {returnn_epoch} (num_epochs={final_epoch}), from {name}"
+        return f"will resume from {name}, epoch {returnn_epoch + 1}"
     newest = newest_complete(config)
     if newest is None:
         return None
@@ -352,6 +358,21 @@ def resume_plan(config: Config, final_epoch: int) -> str | None:
         return f"trained to epoch {newest.epoch} (num_epochs={final_epoch}), from {newest.name}"
     epoch, step = planned_position(newest)
     return f"will resume from {newest.name}, epoch {epoch}" + (f", global step {step}" if newest.kind == "step" else "")
+
+
+def newest_returnn_epoch(config: Config) -> int | None:
+    """The newest epoch RETURNN itself saved under ``model`` (by file name: nothing is loaded), when it is
+    newer than kit's own newest epoch checkpoint; None otherwise."""
+    from kit.compat.returnn_run import returnn_checkpoints
+
+    prefix = config.typed_value("model")
+    if not prefix or config.typed_value("start_epoch") not in ("auto", None):
+        return None
+    found = returnn_checkpoints(prefix)
+    kit_newest = newest_complete(config)
+    if not found or (kit_newest is not None and kit_newest.epoch >= found[-1].epoch):
+        return None
+    return found[-1].epoch
 
 
 def newest_complete(config: Config) -> Any:

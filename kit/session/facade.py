@@ -31,7 +31,7 @@ from kit.engine.debugging import DebugContext, Hook
 from kit.engine.engine import Engine
 from kit.engine.memory import MemoryFigures
 from kit.engine.progress import Progress
-from kit.engine.start import newest_complete, planned_position, resume_plan
+from kit.engine.start import newest_complete, newest_returnn_epoch, planned_position, resume_plan
 from kit.errors import SessionStateError
 from kit.events import Event, Events
 from kit.scores import ScoreTable
@@ -140,6 +140,8 @@ class Session:
         """Where training stands (a copy). Before set-up: where training will resume, from the newest
         checkpoint's name (nothing is loaded), or epoch 1."""
         engine = self._parts.engine
+        if not engine.is_set_up and (returnn_epoch := newest_returnn_epoch(self.config)) is not None:
+            return Progress.starting_at(returnn_epoch + 1, 0)  # (the global step is in RETURNN's file)
         if not engine.is_set_up and (newest := newest_complete(self.config)) is not None:
             epoch, step = planned_position(newest)
             return Progress.starting_at(epoch, step)

@@ -107,11 +107,11 @@ class SessionState:
             raise SessionStateError(
                 f"the model holds the weights of {self.inspecting} for inspection (checkpoints.load); "
                 "call session.checkpoints.restore(...) to continue from that checkpoint, or "
-                "session.reload_latest() to go back to the training state"
+                "session.checkpoints.reload_latest() to go back to the training state"
             )
         if self.mid_step:
             raise SessionStateError(
                 f"the last train call was interrupted mid-step (a second interrupt within a second) at "
                 f"{self.mid_step}: the model or optimizer may be half-updated; call "
-                "session.checkpoints.restore(...) or session.reload_latest() to continue from a consistent state"
+                "session.checkpoints.restore(...) or session.checkpoints.reload_latest() to continue from a consistent state"
             )

@@ -87,6 +87,9 @@ class TrainResult(Mapping[str, Any]):
             return f"paused at epoch {self.epoch}, step {self.step} ({self.reason}) — call train_epoch() or train() to continue"
         if self.outcome == "break":
             return f"stopped at a break point after global step {self.global_train_step - 1}; next: {where}"
+        if self.outcome == "finished" and self.last_step is not None:
+            return (f"finished: trained to the final epoch {self.epoch - 1} — extend(n) or "
+                    "train(num_epochs=...) trains more")
         if self.outcome == "finished":
             return (f"finished: all {self.epoch - 1} epochs are trained, nothing left to train — "
                     "extend(n) or train(num_epochs=...) trains more")

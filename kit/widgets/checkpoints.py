@@ -301,7 +301,7 @@ class CheckpointWidget:
         self.refresh()  # the current model changed: the differences too
         self._say(
             f"loaded the weights of {ckpt.name} for inspection (training state untouched); "
-            "Restore continues training from a checkpoint, session.reload_latest() goes back"
+            "Restore continues training from a checkpoint, session.checkpoints.reload_latest() goes back"
         )
 
     def _on_restore(self) -> None:
