@@ -75,9 +75,36 @@ def find_start(config: Config, scores: Any, *, training: bool | None = None) -> 
         start.train_state = None
         return start
     start = _find_train_start(config)
+    refuse_foreign_ahead(config, start.epoch)
     _align_scores(scores, start)
     start.needs_eval = _needs_eval(config, scores, start)
     return start
+
+
+def refuse_foreign_ahead(config: Config, first_epoch: int) -> None:
+    """Before any training: a CheckpointError when an epoch this run will save (``first_epoch`` to
+    ``num_epochs``) has a file kit did not write under its name (RETURNN's, or a damaged one that
+    made kit fall back past it); kit never replaces such a file, and would otherwise find out only
+    after training that epoch."""
+    from kit.checkpoints.files import foreign_files_of
+
+    prefix = config.typed_value("model")
+    if not prefix:
+        return
+    try:
+        last = int(config.typed_value("num_epochs") or 0)
+    except (TypeError, ValueError):
+        return  # the config check names it
+    for ckpt in checkpoints.list_checkpoints(prefix):
+        if ckpt.kind != "epoch" or not first_epoch <= ckpt.epoch <= last:
+            continue
+        if found := foreign_files_of(ckpt.path, ckpt.opt_path, ckpt.manifest_path):
+            raise CheckpointError(
+                f"training starts at epoch {first_epoch}, and saving epoch {ckpt.epoch} would replace "
+                f"{', '.join(found)}, which was not written by kit (RETURNN's file, or one that does not load, so "
+                f"kit could not continue from it); kit never overwrites such a file. Move it away (kit then "
+                "continues from the checkpoint before it), set num_epochs below its epoch, or use another "
+                "'model' path")
 
 
 def _find_train_start(config: Config) -> Start:
