@@ -33,6 +33,7 @@ logger = logging.getLogger("kit")
 MANIFEST_FORMAT = 1
 _KINDS = ("step", "epoch")  # order at equal global step: a step checkpoint is older than the epoch one
 _HASH_CHUNK = 8 << 20
+_MARK = "kit_version"  # in every file kit writes: see foreign.py
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,6 +250,8 @@ def save(
         )
     }
     if train_state is not None:
+        if isinstance(train_state, dict):  # marks the file as kit's (load_checkpoint takes the mark off)
+            train_state = {**train_state, _MARK: kit.__version__}
         files["train_state"] = _write_torch_file(opt_path, train_state)
     else:
         files["train_state"] = None
@@ -436,6 +439,8 @@ def load_checkpoint(ckpt: Checkpoint, *, load_train_state: bool = True) -> tuple
         raise
     for (path, entry), digest in zip(files, digests()):
         _check_digest(path, entry, digest)
+    if isinstance(train_state, dict):
+        train_state.pop(_MARK, None)
     return model_file, train_state
 
 
