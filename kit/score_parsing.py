@@ -316,6 +316,9 @@ def _checked_row(row: Any, where: str, in_place: bool = False) -> dict[str, Any]
     if not isinstance(meta, Mapping):
         raise ScoreFileError(f"{where}: meta is a {type(meta).__name__}, expected name -> value")
     lr = None if lr is None else _float(lr, f"{where}: the learning rate")
+    if lr is not None and not (math.isfinite(lr) and lr >= 0):
+        raise ScoreFileError(f"{where}: the learning rate is {lr!r}; a learning rate is a finite number >= 0 "
+                             "(as config key 'learning_rate'); fix or remove that row")
     if in_place and isinstance(row, dict) and isinstance(scores, dict) and isinstance(meta, dict) \
             and all(isinstance(k, str) for k in scores):
         for k, v in scores.items():
