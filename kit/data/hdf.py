@@ -55,6 +55,9 @@ class _FileIndex:
                                     "the target keys); write it with RETURNN's HDF writers or kit.data.write_hdf")
             names = set(fin["targets/data"].keys()) | set(fin["targets/size"].attrs.keys())
             self.target_keys = sorted(str(k) for k in names)
+            if missing := [k for k in self.target_keys if k not in fin["targets/data"]]:
+                raise DataError(f"HDF file {path}: target key {missing[0]!r} has a size (targets/size) but no data "
+                                f"(targets/data/{missing[0]})")
         else:
             self.target_keys = ["classes"]  # RETURNN's historical dummy column, never a data key
         self.lengths = _checked_lengths(path, fin["seqLengths"], ["data"] * self.has_inputs + self.target_keys)
@@ -158,6 +161,13 @@ class HDFDataset(Dataset):
         if not self.files:
             raise ConfigError("HDFDataset: 'files' is empty; give at least one HDF file")
         self._handles: dict[int, Any] = {}
+        try:
+            self._open()
+        except BaseException:
+            self.close()  # HDF5 keeps an open file for its path: a fixed file must not be read through it
+            raise
+
+    def _open(self) -> None:
         self._index = [self._read_index(i) for i in range(len(self.files))]
         self.data_keys = self._index[0].data_keys
         for fi in self._index[1:]:
@@ -213,8 +223,13 @@ class HDFDataset(Dataset):
             size = fin.attrs.get("inputPattSize") if key == "data" else fin["targets/size"].attrs.get(key)
             declared = np.ravel(size) if size is not None else np.array([ds.shape[-1] if ds.ndim > 1 else 1])
             dims[key] = int(declared[0])
-            if dims[key] < 0 or declared.dtype.kind not in "iuf":
+            if dims[key] < 0 or declared.dtype.kind not in "iuf" or dims[key] != declared[0]:
                 raise DataError(f"HDF file {self.files[0]}: the size of key {key!r} is {declared!r}, expected a dim >= 0")
+            if ds.ndim == 1 and dims[key] == 0 and ds.shape[0] > 0:
+                raise DataError(f"HDF file {self.files[0]}: key {key!r}: its size says dim 0, but it has labels")
+            if ds.ndim > 1 and dims[key] != ds.shape[-1]:
+                raise DataError(f"HDF file {self.files[0]}: key {key!r}: its size says dim {dims[key]}, but its data "
+                                f"has {ds.shape[-1]} features per frame")
             shapes[key] = tuple(int(d) for d in ds.shape[1:])
             sparse[key] = ds.ndim == 1 and np.issubdtype(ds.dtype, np.integer)
         if "targets/labels" in fin:
@@ -322,6 +337,9 @@ class HDFDataset(Dataset):
         return out
 
 
+_CHECKSUMMED: dict[str, Any] = {"fletcher32": True, "chunks": True}
+
+
 def write_hdf(path: str | os.PathLike[str], seqs: Sequence[SeqDict], tags: Sequence[str] | None = None) -> None:
     """Write sequences in RETURNN's HDF layout (``data`` as ``inputs``, other keys as targets).
 
@@ -339,18 +357,20 @@ def write_hdf(path: str | os.PathLike[str], seqs: Sequence[SeqDict], tags: Seque
         [[int(np.shape(s[k])[0]) for k in (["data"] if "data" in keys else []) + (targets or [])] for s in seqs],
         dtype=np.int32,
     )
-    with h5py.File(os.fspath(path), "w") as fout:
+    # libver="latest": object headers (attributes, sizes) carry checksums; fletcher32: so does each chunk of
+    # data. A flipped bit is then an error when read, never a different number (RETURNN's reader reads them too).
+    with h5py.File(os.fspath(path), "w", libver="latest") as fout:
         fout.attrs.update({"numSeqs": len(seqs), "numDims": 1, "numTimesteps": int(lengths[:, 0].sum())})
-        fout.create_dataset("seqLengths", data=lengths if targets else np.c_[lengths, lengths])
-        fout.create_dataset("seqTags", data=np.array([t.encode("utf-8") for t in tags], dtype="S"))
+        fout.create_dataset("seqLengths", data=lengths if targets else np.c_[lengths, lengths], **_CHECKSUMMED)
+        fout.create_dataset("seqTags", data=np.array([t.encode("utf-8") for t in tags], dtype="S"), **_CHECKSUMMED)
         for key in keys:
             arr = np.concatenate([np.asarray(s[key]) for s in seqs], axis=0)
             dim = int(arr.max()) + 1 if arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer) else arr.shape[-1]
             if key == "data":
-                fout.create_dataset("inputs", data=arr)
+                fout.create_dataset("inputs", data=arr, **_CHECKSUMMED)
                 fout.attrs["inputPattSize"] = dim
                 fout.attrs["numLabels"] = dim
             else:
-                fout.create_dataset(f"targets/data/{key}", data=arr)
+                fout.create_dataset(f"targets/data/{key}", data=arr, **_CHECKSUMMED)
                 fout.require_group("targets/size").attrs[key] = [dim, arr.ndim]
                 fout.require_group("targets/labels")
