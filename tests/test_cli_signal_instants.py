@@ -51,8 +51,8 @@ def _signal_at(proc, instant: str, signals: list[signal.Signals]) -> tuple[int, 
     ("set-up", [signal.SIGTERM], 143),
     ("after the run", [signal.SIGTERM], 0),
 ])
-def test_a_stop_signal_at_any_instant_ends_as_documented_and_loses_nothing(tmp_path, reference, instant, signals,
-                                                                           status):
+def test_a_stop_signal_at_any_instant_ends_as_documented_and_loses_nothing(
+        tmp_path, reference, instant, signals, status):  # noqa: F811 - the imported fixture
     (tmp_path / "cfg.py").write_text(CONFIG)
     code, output = _signal_at(kit_cmd("train", "cfg.py", cwd=tmp_path, KIT_TEST_STEP_SLEEP="0.05"), instant, signals)
     assert code == status, output[-3000:]

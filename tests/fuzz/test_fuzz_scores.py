@@ -129,7 +129,7 @@ def _check(tmp_path, original: bytes, mutations: list) -> None:
     try:
         expected = reference(data)
     except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError, OverflowError, KeyError) as e:
-        raise AssertionError(f"kit accepted a file Python's parsers reject ({type(e).__name__}: {e}): {data!r}")
+        raise AssertionError(f"kit accepted a file Python's parsers reject ({type(e).__name__}: {e}): {data!r}") from e
     assert canonical(got) == canonical(expected), f"kit read other data than the file holds: {data!r}"
 
 
