@@ -331,6 +331,7 @@ def _file_cases(tmp: Path) -> dict[str, str]:
     listing.write_text("[__import__('os').getcwd()]\n")
     out[".py file list with code"] = classify(lambda: DistributeFilesDataset(
         files=str(listing), get_sub_epoch_dataset=lambda f: {}) and False, ["files.py"])
+    kit.checkpoints.save(str(tmp / "find" / "model"), epoch=1, model_state={}, train_state=None, global_train_step=3)
     with kit.Session(**_tiny(tmp / "find")) as session:
         out["checkpoints.find('step:abc')"] = classify(lambda: session.checkpoints.find("step:abc") and False,
                                                        ["step:abc"])
