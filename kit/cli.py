@@ -11,6 +11,12 @@ too: ``torch_profile`` (exit status 0, nothing written) and ``stop_for_resubmiss
 (a step checkpoint, SIGINT to the job's process group, exit status 1), see docs/run_tools.md. A second
 Ctrl-C within a second stops at once, without saving. These handlers live only here: library
 code installs none (the Session's own interrupt guard aside).
+
+``python -m kit`` keeps SIGTERM and SIGUSR1 from killing the process at any instant once it runs
+(:func:`install_process_handlers`): one that arrives before training stops the run there with the
+same status (nothing trained, nothing lost); one that arrives after the last epoch's steps (e.g.
+SLURM's SIGTERM a moment after its SIGUSR1, when the run has just finished) changes nothing: the
+complete run exits 0. A stop's status names the first signal of a pair (SIGUSR1 then SIGTERM: 138).
 """
 
 from __future__ import annotations
@@ -57,6 +63,23 @@ STOP_SIGNALS = {"interrupt": ("SIGINT", 130), "SIGTERM": ("SIGTERM", 143), "SIGU
                 "attach: stop": ("a stop request (kit.attach)", 138)}
 
 
+_OUTSIDE_RUN: list[str] = []  # stop signals that arrived while no training listened (python -m kit only)
+
+
+def install_process_handlers() -> None:
+    """For the ``python -m kit`` process: SIGTERM / SIGUSR1 outside training are remembered, not fatal."""
+    for name in ("SIGTERM", "SIGUSR1"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), lambda signum, _frame: _OUTSIDE_RUN.append(signal.Signals(signum).name))
+
+
+def block_stop_signals() -> None:
+    """For the ``python -m kit`` process once its command returned: SIGTERM / SIGUSR1 stay pending until exit."""
+    wanted = {getattr(signal, n) for n in ("SIGTERM", "SIGUSR1") if hasattr(signal, n)}
+    if wanted and hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train to ``num_epochs``; Ctrl-C, SIGTERM or SIGUSR1 stop at the next step boundary with a step checkpoint."""
     import time
@@ -72,6 +95,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     bar = _progress_bar(engine) if not args.quiet else None
     try:
         with guard.held(), _requests_on(guard, "SIGTERM", "SIGUSR1"):
+            if _OUTSIDE_RUN:  # a stop signal before the run began: stop here, nothing trained or written
+                name, status = STOP_SIGNALS.get(_OUTSIDE_RUN[0], (_OUTSIDE_RUN[0], 130))
+                print(f"kit: stopped by {name} before training started; nothing was written", file=sys.stderr)
+                return status
             engine.setup()
             if _nothing_to_do(engine):
                 return 0
@@ -117,8 +144,11 @@ def _progress_bar(engine: Any) -> Any:
 def _requests_on(guard: Any, *names: str) -> Iterator[None]:
     """While training, the named signals ask ``guard`` to stop at the next step boundary (as Ctrl-C does)."""
     wanted = [getattr(signal, n) for n in names if hasattr(signal, n)]
-    previous = {s: signal.signal(s, lambda signum, _frame: guard.request(signal.Signals(signum).name))
-                for s in wanted}
+    def request(signum: int, _frame: Any) -> None:
+        if not guard.requested:  # the first signal of a pair (SLURM: SIGUSR1, then SIGTERM) names the stop
+            guard.request(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, request) for s in wanted}
     try:
         yield
     finally:

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 from collections.abc import Callable, Iterator
 from typing import IO
 
@@ -120,3 +121,64 @@ def pid_alive(pid: int) -> bool:
     if not os.path.isdir("/proc/self"):
         return True
     return os.path.exists(f"/proc/{pid}")
+
+
+# ---- reading files kit did not write -------------------------------------------------------------
+
+
+def file_kind(mode: int) -> str:
+    """A word for a file's type: 'FIFO', 'folder', 'character device', ..."""
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISDIR, "folder"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def check_regular_file(path: str, what: str, error: type[Exception] | None = None) -> os.stat_result:
+    """``os.stat`` of ``path`` when it is a regular file; else ``error`` (default DataError) naming it.
+
+    Checked before opening: a FIFO opened for reading waits for a writer forever, a device may never end.
+    """
+    from kit.errors import DataError
+
+    error = error or DataError
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{what}: file {path} does not exist") from None
+    except OSError as e:
+        raise error(f"{what}: cannot read {path} ({e.strerror or e})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise error(f"{what}: {path} is a {file_kind(info.st_mode)}, not a regular file")
+    return info
+
+
+def read_capped(path: str, limit: int, what: str, error: type[Exception], why: str) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them; ``error`` naming the file otherwise.
+
+    ``why``: what makes ``limit`` enough (said in the message, so that a user knows whether the file or
+    the limit is wrong). Never blocks on a FIFO (opened non-blocking, and refused after ``fstat``).
+    """
+    check_regular_file(path, what, error)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as e:
+        raise error(f"{what}: cannot open {path} ({e.strerror or e})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # replaced between stat and open
+            raise error(f"{what}: {path} is a {file_kind(info.st_mode)}, not a regular file")
+        if info.st_size > limit:
+            raise error(f"{what}: {path} is {info.st_size} bytes, more than kit reads ({limit}: {why})")
+        chunks, size = [], 0
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise error(f"{what}: {path} grew beyond {limit} bytes while read ({why})")
+        return b"".join(chunks)
+    except OSError as e:
+        raise error(f"{what}: cannot read {path} ({e.strerror or e})") from None
+    finally:
+        os.close(fd)

@@ -25,22 +25,23 @@ VERSION = 1
 META_PREFIX = ":meta:"  # RETURNN stores meta inside the error dict with this prefix
 MAX_DEPTH = 100
 
+_WS = r"[\x20\t\f\r\n]"  # Python's whitespace between tokens (not \v, nor Unicode spaces: RETURNN's eval refuses them)
 _TOKEN = re.compile(
-    r"""(?:\s|\#[^\n]*)*(?:
+    r"""(?:[\x20\t\f\r\n]|\#[^\n]*)*(?:
       (?P<num>(?:\d[\d_]*\.?[\d_]*|\.\d[\d_]*)(?:[eE][-+]?\d+)?[jJ]?)
     | (?P<str>[rRbBuU]?(?:'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*"))
     | (?P<name>[A-Za-z_]\w*)
     | (?P<punct>[{}\[\](),:=+-])
     | (?P<end>\Z)
     )""",
-    re.VERBOSE,
+    re.VERBOSE | re.ASCII,  # ASCII: \d and \w as Python's tokenizer reads numbers and names
 )
 # RETURNN's usual row, read by one regex match (the general parser takes any other shape)
 _NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|inf|nan)"
-_ENTRY = rf"\s*'[^'\\\n]*'\s*:\s*{_NUM}\s*"
-_FAST_ROW = re.compile(rf"(\d+)\s*:\s*EpochData\(\s*learningRate\s*=\s*({_NUM})\s*,\s*error\s*=\s*"
-                       rf"\{{((?:{_ENTRY},)*(?:{_ENTRY})?)\s*\}}\s*,?\s*\)")
-_FAST_ENTRY = re.compile(rf"\s*'([^'\\\n]*)'\s*:\s*({_NUM})")
+_ENTRY = rf"{_WS}*'[^'\\\n]*'{_WS}*:{_WS}*{_NUM}{_WS}*"
+_FAST_ROW = re.compile(rf"(\d+){_WS}*:{_WS}*EpochData\({_WS}*learningRate{_WS}*={_WS}*({_NUM}){_WS}*,{_WS}*"
+                       rf"error{_WS}*={_WS}*\{{((?:{_ENTRY},)*(?:{_ENTRY})?){_WS}*\}}{_WS}*,?{_WS}*\)", re.ASCII)
+_FAST_ENTRY = re.compile(rf"{_WS}*'([^'\\\n]*)'{_WS}*:{_WS}*({_NUM})", re.ASCII)
 _NAMES: dict[str, Any] = {"nan": math.nan, "inf": math.inf, "NaN": math.nan, "Infinity": math.inf,
                           "None": None, "True": True, "False": False}
 
@@ -66,6 +67,9 @@ def _parse_json(text: str, path: str) -> dict[str, Any]:
         raise ScoreFileError(f"score file '{path}': {e}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ScoreFileError(f'score file \'{path}\': JSON but not a kit score table (no "format": "{FORMAT}")')
+    if unknown := sorted(set(data) - {"format", "version", "error_keys", "epochs"}, key=str):
+        raise ScoreFileError(f"score file '{path}': unknown entries {_show(unknown)} (a damaged file, or one "
+                             "written by a newer kit)")
     version = data.get("version", VERSION)
     if not isinstance(version, int) or isinstance(version, bool):
         raise ScoreFileError(f"score file '{path}': version is {version!r}, expected an int")
@@ -81,6 +85,9 @@ def parse_returnn_lr_file(text: str, path: str = "<text>") -> dict[str, Any]:
     ``:meta:`` entries of ``error`` become meta; an old-format float error becomes
     ``old_format_score``. Anything else (calls, attributes, imports) is refused.
     """
+    if (nul := text.find("\0")) >= 0:  # Python (RETURNN's reader) refuses them too
+        raise ScoreFileError(f"score file '{path}', line {text.count(chr(10), 0, nul) + 1}: a NUL byte "
+                             "(the file is damaged)")
     return _Parser(text, path).file()
 
 
@@ -309,6 +316,8 @@ def _checked_row(row: Any, where: str, in_place: bool = False) -> dict[str, Any]
     if not isinstance(row, Mapping):
         raise ScoreFileError(f"{where}: the row is a {type(row).__name__}, expected "
                              '{"learning_rate": .., "scores": {..}, "meta": {..}}')
+    if unknown := sorted(set(row) - {"learning_rate", "scores", "meta"}, key=str):
+        raise ScoreFileError(f"{where}: unknown row entries {_show(unknown)}, expected learning_rate, scores, meta")
     lr = row.get("learning_rate")
     scores, meta = row.get("scores", {}), row.get("meta", {})
     if not isinstance(scores, Mapping):
@@ -316,6 +325,9 @@ def _checked_row(row: Any, where: str, in_place: bool = False) -> dict[str, Any]
     if not isinstance(meta, Mapping):
         raise ScoreFileError(f"{where}: meta is a {type(meta).__name__}, expected name -> value")
     lr = None if lr is None else _float(lr, f"{where}: the learning rate")
+    if lr is not None and not (math.isfinite(lr) and lr >= 0):
+        raise ScoreFileError(f"{where}: the learning rate is {lr!r}; a learning rate is a finite number >= 0 "
+                             "(as config key 'learning_rate'); fix or remove that row")
     if in_place and isinstance(row, dict) and isinstance(scores, dict) and isinstance(meta, dict) \
             and all(isinstance(k, str) for k in scores):
         for k, v in scores.items():

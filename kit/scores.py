@@ -23,18 +23,20 @@ This module knows nothing of torch; pandas is imported only by :meth:`ScoreTable
 from __future__ import annotations
 
 import copy
+import errno
 import html
 import json
 import math
 import numbers
 import os
-import stat
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kit.errors import KitError, ScoreFileError
-from kit.fileio import atomic_write_text
+from kit.fileio import atomic_write_text, read_capped
 from kit.score_parsing import FORMAT, VERSION, checked_state, parse_returnn_lr_file, parse_score_text
+
+MAX_SCORE_FILE_BYTES = 256 << 20  # what kit reads of a score / learning-rate file
 
 __all__ = ["FORMAT", "VERSION", "ScoreFileError", "ScoreTable", "format_epoch_summary", "format_lr",
            "format_step_line", "format_value", "parse_returnn_lr_file", "split_score_key"]
@@ -262,11 +264,10 @@ class ScoreTable:
 
 def _read_text(path: str) -> str:
     """The file's text; a FIFO, a folder or non-UTF-8 bytes give a ScoreFileError (never a blocking read)."""
-    info = os.stat(path)
-    if not stat.S_ISREG(info.st_mode):
-        raise ScoreFileError(f"score file '{path}': not a regular file")
-    with open(path, "rb") as f:
-        data = f.read()
+    if not os.path.lexists(path):
+        raise FileNotFoundError(errno.ENOENT, "score file not found", path)
+    data = read_capped(path, MAX_SCORE_FILE_BYTES, f"score file '{path}'", ScoreFileError,
+                       "a score table of 100,000 epochs with ten scores each is about 40 MB")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

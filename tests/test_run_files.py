@@ -183,7 +183,7 @@ def test_a_second_run_on_the_same_prefix_fails_at_start_naming_the_holder(tmp_pa
     engine = Engine(kit.Config(tiny_config(prefix, num_epochs=1)))
     engine.train()
     engine.close()
-    assert os.path.exists(prefix + ".lock") and Path(prefix + ".lock").read_text() == ""
+    assert not os.path.exists(prefix + ".lock")  # removed at the clean exit
 
 
 def test_in_one_process_the_newest_engine_takes_the_prefix_over(tmp_path, caplog):

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from kit.checkpoints.files import Checkpoint, delete, list_checkpoints
-from kit.checkpoints.foreign import written_by_kit
+from kit.checkpoints.foreign import foreign_files
 from kit.config.keys import CLEANUP_DEFAULTS, cleanup_problems
 from kit.errors import ConfigError
 
@@ -80,7 +80,8 @@ def cleanup(
             continue
         if not c.complete:
             ok = c.epoch < newest.epoch or (c.global_train_step is not None and c.sort_key < newest.sort_key)
-            ok = ok and written_by_kit(c.path)  # RETURNN's model files (no manifest) are not kit's to remove
+            # RETURNN's model files (no manifest), damaged or not, are not kit's to remove
+            ok = ok and not foreign_files([c.path, c.opt_path])
         elif c.kind == "epoch":
             ok = c.epoch not in keep_epochs
         else:

@@ -16,7 +16,7 @@ from typing import IO, Any
 import torch
 
 from kit import fileio
-from kit.checkpoints.foreign import foreign_file_error, written_by_kit
+from kit.checkpoints.foreign import foreign_file_error, foreign_files
 from kit.checkpoints.manifest import read_manifest_file
 from kit.checkpoints.naming import checkpoint_file_pattern, checkpoint_paths
 from kit.checkpoints.safe_load import (  # noqa: F401 - public names of this module before the split
@@ -33,6 +33,7 @@ logger = logging.getLogger("kit")
 MANIFEST_FORMAT = 1
 _KINDS = ("step", "epoch")  # order at equal global step: a step checkpoint is older than the epoch one
 _HASH_CHUNK = 8 << 20
+_MARK = "kit_version"  # in every file kit writes: see foreign.py
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,8 +232,7 @@ def save(
     pattern = checkpoint_file_pattern(prefix)
     for stale in fileio.remove_stale_temp_files(directory, lambda name: pattern.match(name) is not None):
         logger.info("Removed temp file of an interrupted write: %s", stale)
-    if os.path.exists(path) and not os.path.exists(manifest_path) and not written_by_kit(path):
-        raise CheckpointError(foreign_file_error(path))
+    _refuse_foreign(path, opt_path, manifest_path)
     if os.path.exists(manifest_path):
         # Overwriting: un-complete the old one first, so that no manifest ever describes mixed files.
         os.unlink(manifest_path)
@@ -250,6 +250,8 @@ def save(
         )
     }
     if train_state is not None:
+        if isinstance(train_state, dict):  # marks the file as kit's (load_checkpoint takes the mark off)
+            train_state = {**train_state, _MARK: kit.__version__}
         files["train_state"] = _write_torch_file(opt_path, train_state)
     else:
         files["train_state"] = None
@@ -276,6 +278,28 @@ def save(
     )
     logger.info("Saved checkpoint %s", path)
     return Checkpoint(int(epoch), int(global_train_step), kind, path, opt_path, manifest_path, True)
+
+
+def _refuse_foreign(path: str, opt_path: str, manifest_path: str) -> None:
+    """A CheckpointError naming the first file of this checkpoint name that kit did not write.
+
+    Files a readable kit manifest describes are kit's; any other existing file must carry kit's
+    marks (a damaged file does not: kit's writes are atomic, so it is somebody else's).
+    """
+    if found := foreign_files_of(path, opt_path, manifest_path):
+        raise CheckpointError(foreign_file_error(found[0]))
+
+
+def foreign_files_of(path: str, opt_path: str, manifest_path: str) -> list[str]:
+    """The model / training-state files of one checkpoint name that kit did not write."""
+    described: set[str] = set()
+    if os.path.lexists(manifest_path):
+        try:
+            entries = read_manifest_file(manifest_path)["files"]
+        except CorruptCheckpointError:
+            entries = {}
+        described = {os.path.join(os.path.dirname(path), e["name"]) for e in entries.values() if e is not None}
+    return foreign_files([p for p in (path, opt_path) if p not in described])
 
 
 def _read_manifest(ckpt: Checkpoint) -> dict:
@@ -415,6 +439,8 @@ def load_checkpoint(ckpt: Checkpoint, *, load_train_state: bool = True) -> tuple
         raise
     for (path, entry), digest in zip(files, digests()):
         _check_digest(path, entry, digest)
+    if isinstance(train_state, dict):
+        train_state.pop(_MARK, None)
     return model_file, train_state
 
 
@@ -446,7 +472,12 @@ def delete(ckpt: Checkpoint, *, dry_run: bool = False) -> None:
         return
     size = ckpt.size
     directory = os.path.dirname(os.path.abspath(ckpt.path))
+    foreign = foreign_files_of(ckpt.path, ckpt.opt_path, ckpt.manifest_path)
+    for p in foreign:
+        logger.warning("Not deleting %s: kit did not write it", p)
     for p in (ckpt.manifest_path, ckpt.path, ckpt.opt_path):
+        if p in foreign:
+            continue
         try:
             os.unlink(p)
         except FileNotFoundError:

@@ -2,33 +2,49 @@
 
 A model file without a manifest is either an interrupted kit save or somebody else's file
 (RETURNN's ``model.NNN.pt`` in a run directory kit continues). kit's model files carry a
-``kit_version`` entry; it is found in the pickle of the file's zip archive without unpickling
-anything (the tensors live in other archive members, so this reads a few hundred bytes).
+``kit_version`` entry and its training-state files ``kit_version`` (or, written by an older kit,
+``progress`` and ``rng``); they are found in the pickle of the file's zip archive without
+unpickling anything (the tensors live in other archive members, so this reads a few hundred bytes).
+
+kit writes every file through a temp file and a rename, so a file that is not a readable torch
+archive (truncated, damaged, another format) was never written under that name by kit: it is
+somebody else's, and stays untouched.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import zipfile
+
+_MAX_PICKLE_BYTES = 64 << 20  # a data.pkl larger than this is not a checkpoint's small index
 
 
 def written_by_kit(path: str) -> bool:
-    """Whether the torch file at ``path`` was written by kit (its pickle names ``kit_version``).
+    """Whether the torch file at ``path`` was written by kit (its pickle names kit's entries).
 
-    A file that is not a torch zip archive (truncated, empty, legacy format) counts as kit's when
-    a temp-write leftover could explain it: it is not readable as anything else; so only a
-    well-formed archive without ``kit_version`` is foreign.
+    False for a file that is not a well-formed torch archive (damaged, truncated, a special file):
+    kit never leaves such a file under a checkpoint name, so it is not kit's to replace.
     """
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
         with zipfile.ZipFile(path) as archive:
-            names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-            if not names:
-                return True
-            return b"kit_version" in archive.read(names[0])
-    except (zipfile.BadZipFile, OSError, KeyError):
-        return os.path.exists(path)
+            infos = [i for i in archive.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if not infos or infos[0].file_size > _MAX_PICKLE_BYTES:
+                return False
+            pickle = archive.read(infos[0])
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, KeyError, ValueError, EOFError, RuntimeError):
+        return False
+    return b"kit_version" in pickle or (b"progress" in pickle and b"rng" in pickle)
+
+
+def foreign_files(paths: list[str]) -> list[str]:
+    """Those of ``paths`` that exist and were not written by kit."""
+    return [p for p in paths if os.path.lexists(p) and not written_by_kit(p)]
 
 
 def foreign_file_error(path: str) -> str:
-    return (f"{path} exists and was not written by kit (e.g. RETURNN's checkpoint); kit never overwrites "
-            "or deletes a file it did not write — use another 'model' path or move the file")
+    return (f"{path} exists and was not written by kit (e.g. RETURNN's checkpoint, or a damaged file); kit never "
+            "overwrites or deletes a file it did not write — move the file away (e.g. rename it to "
+            f"{os.path.basename(path)}.bak) or use another 'model' path")

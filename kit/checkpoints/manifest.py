@@ -111,8 +111,8 @@ def manifest_problem(m: Any) -> str | None:
         if not _is_count(m.get(key)):
             return f"{key} is {_show(m.get(key))}, expected an int >= 0"
     files = m.get("files")
-    if not isinstance(files, dict) or "model" not in files:
-        return f"files is {_show(files)}, expected an object with a 'model' entry"
+    if not isinstance(files, dict) or set(files) != {"model", "train_state"}:
+        return f"files is {_show(files)}, expected an object with the entries 'model' and 'train_state'"
     for name in ("model", "train_state"):
         if name == "train_state" and files.get(name) is None:
             continue

@@ -42,8 +42,9 @@ def load(path: str | os.PathLike, *, unsafe_trust: bool = False, map_location: A
     Only ``unsafe_trust=True`` unpickles arbitrary objects; do that only for files you trust.
     """
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise CheckpointNotFoundError(f"Checkpoint file not found: {path}")
+    fileio.check_regular_file(path, "checkpoint", CorruptCheckpointError)  # a FIFO would block the read
     if path.endswith(".safetensors"):
         return _load_safetensors(path, map_location)
     if unsafe_trust:
@@ -61,7 +62,9 @@ def load(path: str | os.PathLike, *, unsafe_trust: bool = False, map_location: A
         raise CorruptCheckpointError(
             f"Cannot load {path}: corrupt or not loadable safely ({_first_line(e)})"
         ) from e
-    except (RuntimeError, EOFError, zipfile.BadZipFile, UnicodeDecodeError, ValueError, OSError) as e:
+    except (RuntimeError, EOFError, zipfile.BadZipFile, UnicodeDecodeError, ValueError, OSError,
+            TypeError, KeyError, IndexError, AttributeError, OverflowError, MemoryError) as e:
+        # TypeError: e.g. a storage whose size is negative (torch's record reader refuses the argument)
         refuse_if_code_carrying(path)
         raise CorruptCheckpointError(
             f"Cannot load {path}: the file is truncated or corrupt ({type(e).__name__}: {_first_line(e)})"

@@ -189,8 +189,9 @@ class ReturnnScoreTable(ScoreTable):
 def returnn_lr_file_text(table: ScoreTable) -> str:
     """The table as RETURNN writes its learning-rate file (``{epoch: EpochData(...), ...}``).
 
-    Epochs without a learning rate are left out (RETURNN requires a float); meta values that are
-    not plain numbers or strings are left out too.
+    Epochs without a learning rate are left out (RETURNN requires a float); meta values are kept
+    when they are Python literals (numbers, strings, None, True/False, lists / tuples / dicts of them,
+    e.g. RETURNN's ``':meta:distributed': None``), which both RETURNN's reader and kit's parser read back.
     """
     lines = ["{"]
     for epoch in table.epochs:
@@ -199,11 +200,24 @@ def returnn_lr_file_text(table: ScoreTable) -> str:
             continue
         error: dict[str, Any] = {k: float(v) for k, v in table.scores(epoch).items()}
         for key, value in table.meta(epoch).items():
-            if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            if _is_literal(value):
                 error[f":meta:{key}"] = value
         lines.append(f"{epoch}: EpochData(learningRate={_repr(float(lr))}, error={_dict_repr(error)}),")
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _is_literal(value: Any, depth: int = 0) -> bool:
+    """Whether ``repr(value)`` reads back as ``value`` (a literal without objects), nested at most 20 deep."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if depth > 20:
+        return False
+    if isinstance(value, (list, tuple)):
+        return all(_is_literal(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (int, str)) and _is_literal(v, depth + 1) for k, v in value.items())
+    return False
 
 
 def _repr(value: Any) -> str:

@@ -253,6 +253,40 @@ def seq_ordering_spec(v: Any) -> str | None:
     return None
 
 
+_LOADER_RESERVED = ("batch_size", "batch_sampler", "sampler", "shuffle", "collate_fn", "drop_last", "dataset")
+_LOADER_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "num_workers": (lambda x: _is_int(x) and x >= 0, "an int >= 0"),
+    "pin_memory": (lambda x: isinstance(x, bool), "True or False"),
+    "persistent_workers": (lambda x: isinstance(x, bool), "True or False"),
+    "timeout": (lambda x: _is_num(x) and x >= 0, "a number >= 0 (seconds)"),
+    "prefetch_factor": (lambda x: x is None or (_is_int(x) and x >= 1), "None or an int >= 1"),
+    "pin_memory_device": (lambda x: isinstance(x, str), "a device name"),
+    "multiprocessing_context": (lambda x: x is None or isinstance(x, str) or hasattr(x, "Process"),
+                                "None, 'fork', 'spawn' or 'forkserver'"),
+    "worker_init_fn": (lambda x: x is None or callable(x), "None or a function worker_id -> None"),
+    "generator": (lambda x: x is None or type(x).__name__ == "Generator", "None or a torch.Generator"),
+    "in_order": (lambda x: isinstance(x, bool), "True or False"),
+}
+
+
+def dataloader_opts_spec(v: Any) -> str | None:
+    """``torch_dataloader_opts``: a dict of DataLoader keywords kit does not set itself, each of its type."""
+    if v is None:
+        return None
+    if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+        return "a dict of torch DataLoader options, e.g. {'num_workers': 2}"
+    if reserved := [k for k in v if k in _LOADER_RESERVED]:
+        return f"no {', '.join(map(repr, reserved))} (kit's batch plan sets them: batch_size, max_seqs, seq_ordering)"
+    for key, value in v.items():
+        if key not in _LOADER_CHECKS:
+            return (f"no option {key!r}: torch_dataloader_opts takes "
+                    f"{', '.join(sorted(_LOADER_CHECKS))}")
+        ok, what = _LOADER_CHECKS[key]
+        if not ok(value):
+            return f"{key!r} to be {what}"
+    return None
+
+
 def eval_datasets_spec(v: Any) -> str | None:
     if v is None or (isinstance(v, dict) and all(isinstance(k, str) for k in v)):
         return None
@@ -340,7 +374,8 @@ _KEYS: list[Key] = [
     _k("data", "chunking_in_eval", "bool", True, "chunk eval datasets too, as RETURNN's torch engine does; False evaluates whole sequences", boolean),
     _k("data", "online_shuffle_batches", "int | dict", None, "RETURNN's: train batches shuffled within blocks of this many (or {'buffer_size': n}); complete_frac stays in order", _online_shuffle_spec),
     _k("data", "seq_ordering", "str", None, "override the datasets' own seq_ordering for training", seq_ordering_spec),
-    _k("data", "torch_dataloader_opts", "dict", None, "{'num_workers': k, ...}; workers never duplicate data"),
+    _k("data", "torch_dataloader_opts", "dict", None, "{'num_workers': k, ...}; workers never duplicate data",
+       dataloader_opts_spec),
     _k("data", "random_seed", "int", 42, "seed for model init and training randomness (data orders follow RETURNN: epoch, fixed_random_seed, random_seed_offset)", non_negative_int),
     # training loop
     _k("training", "task", "str", "train", "RETURNN's task; in kit the command (train / eval / forward) or the Session call decides what runs", one_of("train", "eval", "forward")),

@@ -31,6 +31,9 @@ from kit.data import ordering
 from kit.data.dataset import Dataset, SeqDict
 from kit.data.meta import make_child
 from kit.errors import ConfigError, DataError
+from kit.fileio import read_capped
+
+MAX_FILE_LIST_BYTES = 256 << 20  # a million paths of 256 bytes
 
 FileTree = Any  # a file name, or tuples / lists / dicts of them (files that belong together)
 
@@ -56,19 +59,39 @@ def read_file_list(files: Any) -> list[FileTree]:
         raise ConfigError(f"DistributeFilesDataset: 'files' must be a list, a callable or a list file, got {files!r}")
     path = os.fspath(files)
     ext = os.path.splitext(path)[1]
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    if ext not in (".txt", ".json", ".py"):
+        raise ConfigError(f"DistributeFilesDataset: file list {path!r} must end in .txt, .json or .py")
+    data = read_capped(path, MAX_FILE_LIST_BYTES, "DistributeFilesDataset: file list", ConfigError,
+                       "a list of file names")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"DistributeFilesDataset: file list {path!r} is not UTF-8 text (byte {e.start})") from None
     if ext == ".txt":
         return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
-    if ext == ".json":
-        out = json.loads(text)
-    elif ext == ".py":
-        out = ast.literal_eval(text)
-    else:
-        raise ConfigError(f"DistributeFilesDataset: file list {path!r} must end in .txt, .json or .py")
+    try:
+        out = json.loads(text) if ext == ".json" else ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, RecursionError, MemoryError) as e:
+        what = ("is not valid JSON" if ext == ".json" else
+                "is not a plain Python list of strings (it holds code, names or calls, which kit never runs, "
+                "or is not valid Python)")
+        raise ConfigError(f"DistributeFilesDataset: file list {path!r} {what}: {type(e).__name__}: "
+                          f"{str(e).split(' at 0x')[0][:200]}") from None
     if not isinstance(out, list):
         raise ConfigError(f"DistributeFilesDataset: {path!r} must hold a list of files")
     return out
+
+
+def _file_size(path: str, index: int) -> int:
+    """The size of one listed file, checked when the dataset is made (not at the sub-epoch that needs it)."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        raise ConfigError(f"DistributeFilesDataset: file {path!r} (entry {index} of 'files') does not exist; "
+                          "fix the list or create the file") from None
+    except OSError as e:
+        raise ConfigError(f"DistributeFilesDataset: file {path!r} (entry {index} of 'files') cannot be read "
+                          f"({e.strerror or e})") from None
 
 
 def distribute_by_size(sizes: Sequence[int], num_bins: int) -> list[list[int]]:
@@ -159,7 +182,7 @@ class DistributeFilesDataset(Dataset):
                 f"DistributeFilesDataset: {len(self.files)} files < partition_epoch {self.partition_epoch}"
                 + (f" x {self.num_shards} ranks" if self.num_shards > 1 else "")
             )
-        self.file_sizes = [sum(os.path.getsize(f) for f in flatten_files(t)) for t in self.files]
+        self.file_sizes = [sum(_file_size(f, i) for f in flatten_files(t)) for i, t in enumerate(self.files)]
         self.sub_epoch_files: list[FileTree] | None = None
         self.sub_dataset: Dataset | None = None
         self._full_epoch = 0

@@ -21,6 +21,10 @@ import numpy as np
 
 from kit.data.dataset import Dataset, SeqDict
 from kit.errors import ConfigError, DataError
+from kit.fileio import check_regular_file
+
+# what h5py raises on a damaged file (its own errors derive from these)
+_H5_ERRORS = (OSError, KeyError, ValueError, RuntimeError, TypeError, IndexError, OverflowError, AttributeError)
 
 
 def _decode(tag: Any) -> str:
@@ -28,31 +32,66 @@ def _decode(tag: Any) -> str:
     return text.split("\0")[0]
 
 
+MAX_INDEX_ENTRIES = 1 << 28  # seqLengths entries (2 GB as int64): more is not an index kit reads at start
+
+
 class _FileIndex:
-    """What is known of one file without reading its frames: keys, columns, per-sequence offsets."""
+    """What is known of one file without reading its frames: keys, columns, per-sequence offsets.
+
+    The index is checked against the file's own description (shapes of its datasets, read from the
+    file's metadata, not its frames): lengths integer, >= 0 and summing to the rows of their key's
+    data, as many tags as sequences, sizes and data present for each target key. A file that
+    disagrees is a DataError naming the file, the key and the first bad sequence: never frames read
+    from shifted offsets.
+    """
 
     def __init__(self, path: str, fin: Any):
         self.path = path
         self.has_inputs = "inputs" in fin
         if "targets" in fin:
+            for part, what in (("data", "the frames"), ("size", "the dims")):
+                if f"targets/{part}" not in fin:
+                    raise DataError(f"HDF file {path}: it has a 'targets' group but no 'targets/{part}' ({what} of "
+                                    "the target keys); write it with RETURNN's HDF writers or kit.data.write_hdf")
             names = set(fin["targets/data"].keys()) | set(fin["targets/size"].attrs.keys())
             self.target_keys = sorted(str(k) for k in names)
+            if missing := [k for k in self.target_keys if k not in fin["targets/data"]]:
+                raise DataError(f"HDF file {path}: target key {missing[0]!r} has a size (targets/size) but no data "
+                                f"(targets/data/{missing[0]})")
         else:
             self.target_keys = ["classes"]  # RETURNN's historical dummy column, never a data key
-        lengths = np.asarray(fin["seqLengths"][...], dtype=np.int64)
-        if lengths.ndim == 1:
-            lengths = np.repeat(lengths[:, None], int(self.has_inputs) + len(self.target_keys), axis=1)
-        if lengths.ndim != 2 or lengths.shape[1] != int(self.has_inputs) + len(self.target_keys):
-            raise DataError(
-                f"HDF file {path}: seqLengths has shape {lengths.shape}, expected "
-                f"[num_seqs, {int(self.has_inputs) + len(self.target_keys)}] for inputs + {self.target_keys}"
-            )
-        self.lengths = lengths
-        self.starts = np.zeros((len(lengths) + 1, lengths.shape[1]), dtype=np.int64)
-        np.cumsum(lengths, axis=0, out=self.starts[1:])
+        self.lengths = _checked_lengths(path, fin["seqLengths"], ["data"] * self.has_inputs + self.target_keys)
+        self.starts = np.zeros((len(self.lengths) + 1, self.lengths.shape[1]), dtype=np.int64)
+        np.cumsum(self.lengths, axis=0, out=self.starts[1:])
         stored = set(fin["targets/data"].keys()) if "targets" in fin else set()
         self.data_keys = (["data"] if self.has_inputs else []) + [k for k in self.target_keys if k in stored]
+        self._check_against_data(fin)
 
+    def _check_against_data(self, fin: Any) -> None:
+        for key in self.data_keys:
+            name = "inputs" if key == "data" and self.has_inputs else f"targets/data/{key}"
+            ds = fin[name]
+            if key != "data" and key not in fin["targets/size"].attrs:
+                raise DataError(f"HDF file {self.path}: target key {key!r} has data but no size "
+                                f"(targets/size has no attribute {key!r}: its dim is unknown)")
+            if not ds.shape:
+                raise DataError(f"HDF file {self.path}: {name} is a scalar, expected [frames, ...]")
+            ends = self.starts[1:, self.column(key)]
+            rows = int(ds.shape[0])
+            if len(ends) and int(ends[-1]) != rows or not len(ends) and rows:
+                over = np.flatnonzero(ends > rows)
+                first = int(over[0]) if len(over) else len(ends) - 1
+                total = int(ends[-1]) if len(ends) else 0
+                raise DataError(
+                    f"HDF file {self.path}: key {key!r}: seqLengths sum to {total} frames, but {name} has {rows} "
+                    f"rows (first bad sequence: {first}); the file's index does not describe its data")
+        if "seqTags" in fin:
+            tags = fin["seqTags"]
+            count = int(tags.shape[0]) if tags.shape else -1
+            if count != len(self.lengths):
+                raise DataError(
+                    f"HDF file {self.path}: seqTags holds {count if count >= 0 else 'a scalar, not'} tags for "
+                    f"{len(self.lengths)} sequences (first bad sequence: {min(max(count, 0), len(self.lengths))})")
     @property
     def num_seqs(self) -> int:
         return len(self.lengths)
@@ -61,6 +100,36 @@ class _FileIndex:
         if key == "data" and self.has_inputs:
             return 0
         return int(self.has_inputs) + self.target_keys.index(key)
+
+
+def _checked_lengths(path: str, ds: Any, keys: list[str]) -> np.ndarray:
+    """``seqLengths`` as int64 ``[num_seqs, len(keys)]``; a DataError for any value that is not a frame count."""
+    columns = len(keys)
+    if ds.dtype.kind not in "iuf" or len(ds.shape) not in (1, 2):
+        raise DataError(f"HDF file {path}: seqLengths is of type {ds.dtype} with shape {ds.shape}, expected "
+                        f"integers [num_seqs, {columns}] (byte strings or other types are not lengths)")
+    if int(np.prod(ds.shape, dtype=np.float64)) > MAX_INDEX_ENTRIES:
+        raise DataError(f"HDF file {path}: seqLengths has shape {ds.shape}, more than {MAX_INDEX_ENTRIES} entries; "
+                        "not a RETURNN HDF index")
+    raw = np.asarray(ds[...])
+    if raw.ndim == 1:
+        raw = np.repeat(raw[:, None], columns, axis=1)
+    if raw.shape[1] != columns:
+        raise DataError(
+            f"HDF file {path}: seqLengths has shape {raw.shape}, expected [num_seqs, {columns}] for the keys {keys}")
+    if raw.dtype.kind == "f":
+        bad = ~np.isfinite(raw) | (raw != np.floor(raw)) | (raw >= 2.0**62)
+    else:
+        bad = raw > np.iinfo(np.int64).max // 2 if raw.dtype.kind == "u" else np.zeros(raw.shape, dtype=bool)
+    bad |= raw < 0
+    if bad.any():
+        s, c = (int(i) for i in np.argwhere(bad)[0])
+        raise DataError(f"HDF file {path}: key {keys[c]!r}: seqLengths of sequence {s} is {raw[s, c].item()!r}; "
+                        "lengths must be integers >= 0")
+    lengths = raw.astype(np.int64)
+    if len(lengths) and int(lengths.max(initial=0)) > 0 and lengths.sum(axis=0, dtype=np.float64).max() >= 2.0**62:
+        raise DataError(f"HDF file {path}: seqLengths sum to more than 2**62 frames")
+    return lengths
 
 
 class HDFDataset(Dataset):
@@ -92,6 +161,13 @@ class HDFDataset(Dataset):
         if not self.files:
             raise ConfigError("HDFDataset: 'files' is empty; give at least one HDF file")
         self._handles: dict[int, Any] = {}
+        try:
+            self._open()
+        except BaseException:
+            self.close()  # HDF5 keeps an open file for its path: a fixed file must not be read through it
+            raise
+
+    def _open(self) -> None:
         self._index = [self._read_index(i) for i in range(len(self.files))]
         self.data_keys = self._index[0].data_keys
         for fi in self._index[1:]:
@@ -102,7 +178,13 @@ class HDFDataset(Dataset):
                 )
         self._file_start = np.cumsum([0] + [fi.num_seqs for fi in self._index])
         self._tags: list[str] | None = None
-        self.dims, self.shapes, self.sparse, self.labels = self._read_meta()
+        try:
+            self.dims, self.shapes, self.sparse, self.labels = self._read_meta()
+        except DataError:
+            raise
+        except _H5_ERRORS as exc:
+            raise DataError(f"HDFDataset: {self.files[0]}: its sizes or labels cannot be read "
+                            f"({type(exc).__name__}: {exc})") from None
 
     # ---- files -----------------------------------------------------------------------
 
@@ -112,18 +194,24 @@ class HDFDataset(Dataset):
         if fin is None:
             import h5py  # type: ignore[import-untyped]  # here: ``import kit`` must not load h5py
 
+            check_regular_file(self.files[i], "HDFDataset")
             try:
                 fin = h5py.File(self.files[i], "r")
-            except OSError as exc:
+            except (OSError, ValueError, RuntimeError) as exc:
                 raise DataError(f"HDFDataset: cannot open {self.files[i]}: {exc}") from None
             self._handles[i] = fin
         return fin
 
     def _read_index(self, i: int) -> _FileIndex:
         fin = self._file(i)
-        if "seqLengths" not in fin:
-            raise DataError(f"HDFDataset: {self.files[i]} is not a RETURNN HDF file (no 'seqLengths')")
-        return _FileIndex(self.files[i], fin)
+        try:
+            if "seqLengths" not in fin:
+                raise DataError(f"HDFDataset: {self.files[i]} is not a RETURNN HDF file (no 'seqLengths')")
+            return _FileIndex(self.files[i], fin)
+        except DataError:
+            raise
+        except _H5_ERRORS as exc:  # a damaged file: h5py raises from wherever its metadata breaks
+            raise DataError(f"HDFDataset: {self.files[i]} is damaged ({type(exc).__name__}: {exc})") from None
 
     def _read_meta(
         self,
@@ -135,6 +223,13 @@ class HDFDataset(Dataset):
             size = fin.attrs.get("inputPattSize") if key == "data" else fin["targets/size"].attrs.get(key)
             declared = np.ravel(size) if size is not None else np.array([ds.shape[-1] if ds.ndim > 1 else 1])
             dims[key] = int(declared[0])
+            if dims[key] < 0 or declared.dtype.kind not in "iuf" or dims[key] != declared[0]:
+                raise DataError(f"HDF file {self.files[0]}: the size of key {key!r} is {declared!r}, expected a dim >= 0")
+            if ds.ndim == 1 and dims[key] == 0 and ds.shape[0] > 0:
+                raise DataError(f"HDF file {self.files[0]}: key {key!r}: its size says dim 0, but it has labels")
+            if ds.ndim > 1 and dims[key] != ds.shape[-1]:
+                raise DataError(f"HDF file {self.files[0]}: key {key!r}: its size says dim {dims[key]}, but its data "
+                                f"has {ds.shape[-1]} features per frame")
             shapes[key] = tuple(int(d) for d in ds.shape[1:])
             sparse[key] = ds.ndim == 1 and np.issubdtype(ds.dtype, np.integer)
         if "targets/labels" in fin:
@@ -178,7 +273,11 @@ class HDFDataset(Dataset):
             c = fi.column(key)
             a, b = int(fi.starts[s, c]), int(fi.starts[s + 1, c])
             ds = fin["inputs"] if key == "data" and fi.has_inputs else fin["targets/data"][key]
-            out[key] = np.asarray(ds[a:b])
+            try:
+                out[key] = np.asarray(ds[a:b])
+            except _H5_ERRORS as exc:
+                raise DataError(f"HDF file {fi.path}: key {key!r} of sequence {s} cannot be read "
+                                f"({type(exc).__name__}: {exc})") from None
         return out
 
     def get_seq_tag(self, idx: int) -> str:
@@ -186,7 +285,10 @@ class HDFDataset(Dataset):
             return self._tags[self._check_index(idx)]
         f, s = self._locate(idx)
         fin = self._file(f)
-        return _decode(fin["seqTags"][s]) if "seqTags" in fin else f"seq-{idx}"
+        try:
+            return _decode(fin["seqTags"][s]) if "seqTags" in fin else f"seq-{idx}"
+        except (*_H5_ERRORS, UnicodeDecodeError) as exc:
+            raise DataError(f"HDF file {self.files[f]}: the tag of sequence {s} cannot be read ({exc})") from None
 
     def get_seq_index(self, tag: str) -> int:
         if self._tags is None:
@@ -199,7 +301,10 @@ class HDFDataset(Dataset):
         for f, fi in enumerate(self._index):
             fin = self._file(f)
             if "seqTags" in fin:
-                tags += [_decode(t) for t in fin["seqTags"][...].tolist()]
+                try:
+                    tags += [_decode(t) for t in fin["seqTags"][...].tolist()]
+                except (*_H5_ERRORS, UnicodeDecodeError) as exc:
+                    raise DataError(f"HDF file {fi.path}: seqTags cannot be read ({exc})") from None
             else:
                 start = int(self._file_start[f])
                 tags += [f"seq-{start + i}" for i in range(fi.num_seqs)]
@@ -232,6 +337,9 @@ class HDFDataset(Dataset):
         return out
 
 
+_CHECKSUMMED: dict[str, Any] = {"fletcher32": True, "chunks": True}
+
+
 def write_hdf(path: str | os.PathLike[str], seqs: Sequence[SeqDict], tags: Sequence[str] | None = None) -> None:
     """Write sequences in RETURNN's HDF layout (``data`` as ``inputs``, other keys as targets).
 
@@ -249,18 +357,20 @@ def write_hdf(path: str | os.PathLike[str], seqs: Sequence[SeqDict], tags: Seque
         [[int(np.shape(s[k])[0]) for k in (["data"] if "data" in keys else []) + (targets or [])] for s in seqs],
         dtype=np.int32,
     )
-    with h5py.File(os.fspath(path), "w") as fout:
+    # libver="latest": object headers (attributes, sizes) carry checksums; fletcher32: so does each chunk of
+    # data. A flipped bit is then an error when read, never a different number (RETURNN's reader reads them too).
+    with h5py.File(os.fspath(path), "w", libver="latest") as fout:
         fout.attrs.update({"numSeqs": len(seqs), "numDims": 1, "numTimesteps": int(lengths[:, 0].sum())})
-        fout.create_dataset("seqLengths", data=lengths if targets else np.c_[lengths, lengths])
-        fout.create_dataset("seqTags", data=np.array([t.encode("utf-8") for t in tags], dtype="S"))
+        fout.create_dataset("seqLengths", data=lengths if targets else np.c_[lengths, lengths], **_CHECKSUMMED)
+        fout.create_dataset("seqTags", data=np.array([t.encode("utf-8") for t in tags], dtype="S"), **_CHECKSUMMED)
         for key in keys:
             arr = np.concatenate([np.asarray(s[key]) for s in seqs], axis=0)
             dim = int(arr.max()) + 1 if arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer) else arr.shape[-1]
             if key == "data":
-                fout.create_dataset("inputs", data=arr)
+                fout.create_dataset("inputs", data=arr, **_CHECKSUMMED)
                 fout.attrs["inputPattSize"] = dim
                 fout.attrs["numLabels"] = dim
             else:
-                fout.create_dataset(f"targets/data/{key}", data=arr)
+                fout.create_dataset(f"targets/data/{key}", data=arr, **_CHECKSUMMED)
                 fout.require_group("targets/size").attrs[key] = [dim, arr.ndim]
                 fout.require_group("targets/labels")

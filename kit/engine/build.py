@@ -41,12 +41,27 @@ def build_parts(config: Config, events: Events, *, training: bool) -> tuple[Buil
         check_optimizer(config)
     datasets = parts.build_datasets(config)
     extern_data = parts.build_extern_data(config)
+    if training:  # a score the LR control would never find: named now, not after an epoch's training
+        from kit.engine.lr_control import check_error_measure
+
+        check_error_measure(config, ["train", *parts.eval_datasets(datasets)])
     lock = None
     prefix = config.typed_value("model")
     if prefix and training and (dist is None or dist.is_main):
         from kit.checkpoints.lock import PrefixLock
 
         lock = PrefixLock.acquire(prefix)  # 'model' writable and ours, before any file is read or written
+    try:
+        built, start = _build_model(config, events, training, device, dist, datasets, extern_data)
+    except BaseException:
+        if lock is not None:  # a run that stops here leaves no lock file (nor a folder it made) behind
+            lock.release()
+        raise
+    return built, start, lock
+
+
+def _build_model(config: Config, events: Events, training: bool, device: Any, dist: Any, datasets: Any,
+                 extern_data: Any) -> tuple[Built, start_.Start]:
     scores = parts.open_score_table(config)
     if dist and not dist.is_main:  # rank 0 alone writes the score file
         scores.path = None
@@ -57,7 +72,7 @@ def build_parts(config: Config, events: Events, *, training: bool) -> tuple[Buil
     float_dtype = amp.cast_to_default_float_dtype(model, config)  # as RETURNN: after loading
     compute = Compute(model, device, events, amp_dtype=amp.amp_dtype(config), float_dtype=float_dtype,
                       grad_scaler=amp.make_grad_scaler(config, device))
-    return Built(device, dist, MemoryMeter(device), datasets, extern_data, scores, model, compute), start, lock
+    return Built(device, dist, MemoryMeter(device), datasets, extern_data, scores, model, compute), start
 
 
 def build_training(config: Config, built: Built) -> Training:

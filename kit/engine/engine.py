@@ -413,12 +413,13 @@ class Engine:
         self.record_eval(epoch, self.eval_model())
         p.end_epoch()
         logger.info("finished epoch %d: %s", epoch, format_scores(table.scores(epoch)))
-        if p.epoch <= self.final_epoch:  # newbob decides with this epoch's scores; stored when epoch e+1 starts,
-            # so the score file holds exactly one row per finished epoch (as RETURNN's after a crash)
-            logger.info("learning rate for epoch %d: %g", p.epoch, t.schedule.lr_control.calc_learning_rate_for_epoch(p.epoch))
         self.save_scores()
         if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
             self.save_checkpoint(kind="epoch", epoch=epoch)
+        if p.epoch <= self.final_epoch:  # newbob decides with this epoch's scores; stored when epoch e+1 starts,
+            # so the score file holds exactly one row per finished epoch (as RETURNN's after a crash); computed
+            # after the save, so that a score the LR control cannot find loses no training
+            logger.info("learning rate for epoch %d: %g", p.epoch, t.schedule.lr_control.calc_learning_rate_for_epoch(p.epoch))
         row = self.epoch_scores(epoch)
         self.events.emit(EpochEnd(epoch, row))
         return row

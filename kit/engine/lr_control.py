@@ -33,7 +33,7 @@ import inspect
 import logging
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kit.config import Config
@@ -282,6 +282,23 @@ class LearningRateControl:
 
     def __repr__(self) -> str:
         return f"LearningRateControl({self.kind}, learning_rate={self.default_learning_rate})"
+
+
+def check_error_measure(config: Config, datasets: Iterable[str]) -> None:
+    """Before any work: each ``learning_rate_control_error_measure`` must name a score this run produces,
+    ``<dataset>_loss_<loss>`` for one of ``datasets`` (the loss names are known only once a step ran:
+    a wrong one is named at the first epoch end, after that epoch is saved)."""
+    measure = config.typed_value("learning_rate_control_error_measure")
+    if not measure or (config.typed_value("learning_rate_control") or "constant") == "constant":
+        return
+    names = sorted(datasets, key=len, reverse=True)  # "dev_other" before "dev"
+    for m in [measure] if isinstance(measure, str) else list(measure):
+        name = next((n for n in names if isinstance(m, str) and m.startswith(f"{n}_")), None)
+        if name is None or not m.startswith(f"{name}_loss_") or m == f"{name}_loss_":
+            raise ConfigError(
+                f"config key 'learning_rate_control_error_measure': {m!r} is not a score this run produces; kit "
+                f"names scores '<dataset>_loss_<loss name>' for the datasets {', '.join(map(repr, sorted(names)))} "
+                "(e.g. 'dev_loss_ce' for a loss marked as 'ce')")
 
 
 def make_lr_control(config: Config, scores: ScoreTable) -> LearningRateControl:

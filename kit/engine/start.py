@@ -75,9 +75,33 @@ def find_start(config: Config, scores: Any, *, training: bool | None = None) -> 
         start.train_state = None
         return start
     start = _find_train_start(config)
-    _align_scores(scores, start)
+    refuse_foreign_ahead(config, start.epoch)
+    _align_scores(scores, start, last=_num_epochs(config))
     start.needs_eval = _needs_eval(config, scores, start)
     return start
+
+
+def refuse_foreign_ahead(config: Config, first_epoch: int) -> None:
+    """Before any training: a CheckpointError when an epoch this run will save (``first_epoch`` to
+    ``num_epochs``) has a file kit did not write under its name (RETURNN's, or a damaged one that
+    made kit fall back past it); kit never replaces such a file, and would otherwise find out only
+    after training that epoch."""
+    from kit.checkpoints.files import foreign_files_of
+
+    prefix = config.typed_value("model")
+    if not prefix:
+        return
+    last = _num_epochs(config)
+    for ckpt in checkpoints.list_checkpoints(prefix):
+        if ckpt.kind != "epoch" or not first_epoch <= ckpt.epoch <= last:
+            continue
+        if found := foreign_files_of(ckpt.path, ckpt.opt_path, ckpt.manifest_path):
+            raise CheckpointError(
+                f"training starts at epoch {first_epoch}, and saving epoch {ckpt.epoch} would replace "
+                f"{', '.join(found)}, which was not written by kit (RETURNN's file, or one that does not load, so "
+                f"kit could not continue from it); kit never overwrites such a file. Move it away (kit then "
+                "continues from the checkpoint before it), set num_epochs below its epoch, or use another "
+                "'model' path")
 
 
 def _find_train_start(config: Config) -> Start:
@@ -216,7 +240,14 @@ def _start_from_file(value: Any, *, training: bool, with_train_state: bool = Tru
 # ---- the score table at a training start -------------------------------------------------
 
 
-def _align_scores(scores: Any, start: Start) -> None:
+def _num_epochs(config: Config) -> int:
+    try:
+        return int(config.typed_value("num_epochs") or 0)
+    except (TypeError, ValueError):
+        return 0  # the config check names it
+
+
+def _align_scores(scores: Any, start: Start, *, last: int) -> None:
     """Rows lost from the file come back from the checkpoint; scores of epochs >= start are dropped."""
     state = scores.state_dict()
     snapshot = (start.train_state or {}).get("scores")
@@ -229,7 +260,9 @@ def _align_scores(scores: Any, start: Start) -> None:
                 changed = True
         state["error_keys"] = sorted(set(state["error_keys"]) | set(snapshot.get("error_keys", ())))
     for epoch, row in list(state["epochs"].items()):
-        if epoch >= start.epoch and (row["scores"] or row["meta"]):
+        # rows of epochs this run trains again are forgotten; rows past its end (e.g. a RETURNN row of a
+        # far epoch) are not this run's to touch
+        if start.epoch <= epoch <= last and (row["scores"] or row["meta"]):
             row["scores"], row["meta"], changed = {}, {}, True
             if row["learning_rate"] is None:
                 del state["epochs"][epoch]

@@ -56,6 +56,9 @@ class CheckpointBrowser:
         if isinstance(which, int):
             match = [c for c in found if c.kind == "epoch" and c.epoch == which]
         elif isinstance(which, str) and which.startswith("step:"):
+            if not which[5:].strip().isdigit():
+                raise CheckpointError(f"checkpoints.find({which!r}): after 'step:' comes a global train step, "
+                                      "e.g. 'step:1250'")
             match = [c for c in found if c.global_train_step == int(which[5:]) and c.kind == "step"]
         else:
             match = [c for c in found if str(which) in (c.path, c.name)]
