@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kit.events import Events
 
 COLUMNS = ["global_train_step", "epoch", "step", "learning_rate", "seconds", "num_seqs"]
+NOT_LOSSES = frozenset(COLUMNS) | {"code_version"}  # the columns that are not a loss or an error rate
 
 # Steps whose losses live on the CPU are read every this many (a thousand pending steps held
 # ~7000 objects for the garbage collector: measured, a 150 ms full collection every ~6000 steps

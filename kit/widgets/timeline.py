@@ -14,7 +14,7 @@ import time
 from collections import deque
 from typing import Any
 
-from kit.session.history import COLUMNS, History
+from kit.session.history import NOT_LOSSES, History
 
 
 class Timeline:
@@ -167,7 +167,7 @@ class Timeline:
         return {k: int(v[-1]) for k, v in self.memory.items() if v and math.isfinite(v[-1])}
 
 
-_NOT_LOSSES = set(COLUMNS)
+_NOT_LOSSES = NOT_LOSSES
 
 
 def _is_number(value: Any) -> bool:

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
+from kit.session.history import NOT_LOSSES
 
-HISTORY_COLUMNS = {"global_train_step", "epoch", "step", "learning_rate", "seconds", "num_seqs"}
+HISTORY_COLUMNS = NOT_LOSSES
 
 
 class PlotFigure(Figure):

@@ -71,7 +71,7 @@ def test_a_failing_step_is_retried_with_the_reloaded_module(user_code, monkeypat
     monkeypatch.setattr("builtins.input", answer)
     session = kit.Session.from_config(tmp_path / "cfg.py")
     result = session.train_steps(2)
-    assert result.global_train_step == 2  # both steps ran (the first one retried after the reload)
+    assert result.global_train_step == 1 and session.progress.global_train_step == 2  # both ran (the first retried)
     assert "'t' to try again" in prompts[0] and "'d' to debug" in prompts[0]
     assert "'c' to continue" in prompts[2] and len(prompts) == 4  # after each finished step
     assert sys.modules[name].train_step is session.config.typed_value("train_step")  # the new function
@@ -88,5 +88,5 @@ def test_no_terminal_no_questions(user_code, monkeypatch):
 
     monkeypatch.setattr("builtins.input", no_input)
     session = kit.Session.from_config(tmp_path / "cfg.py")
-    assert session.train_steps(2).global_train_step == 2
+    assert session.train_steps(2).global_train_step == 1  # its last step
     session.close()
