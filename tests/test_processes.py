@@ -100,7 +100,12 @@ def test_two_then_one_then_two_processes_equal_the_cli_schedule(tmp_path: Path, 
         assert set(multiproc.rank_status(session)) <= {0, 1}
         from kit.widgets.ranks import RankStrip
 
-        assert "rank 0" in RankStrip(session).html()  # the dashboard's per-rank strip
+        assert "rank 0" in RankStrip(session).html()  # the per-rank strip
+        from kit.widgets.dashboard import Dashboard
+
+        board = Dashboard(session, mode="widget")  # the session's one dashboard shows the same strip
+        assert board.ranks.widget.value == RankStrip(session).html() != ""
+        board.detach()
         _same_state(session, *cli_schedule[1][:2])
         second = session.train_epoch(processes=1)  # in this process: all 12 batches
         assert second.global_train_step == 18

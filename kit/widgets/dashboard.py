@@ -157,6 +157,7 @@ class Dashboard(RunControls):
         self._figure: Any = None
         self._frame: bytes | None = None
         self._terminal: Any = None
+        self.ranks: Any = None  # the per-rank strip (widget mode)
         self._prefill()
         if mode == "widget":
             try:
@@ -207,6 +208,9 @@ class Dashboard(RunControls):
         self.note = w.HTML()
         self.image = w.Image(format="png", layout=w.Layout(width="100%", max_width="1200px"))
         self.memory_line = w.HTML()
+        from kit.widgets.ranks import RankStrip
+
+        self.ranks = RankStrip(self.session, empty_alone=True)  # one line per worker with processes=N
         for part, name in [
             (self.status_line, "status"),
             (self.pause_button, "pause"),
@@ -221,6 +225,7 @@ class Dashboard(RunControls):
             [
                 w.HBox([self.pause_button, self.resume_button, self.status_line]),
                 self.progress_line,
+                self.ranks.widget,
                 self.note,
                 self.image,
                 self.memory_line,
@@ -513,6 +518,8 @@ class Dashboard(RunControls):
         self._cancel_late_frame()
         for event, fn in self._handlers:
             self.session.off(event, fn)
+        if self.ranks is not None:
+            self.ranks.close()
         if self._terminal is not None:
             self._terminal.close()
 

@@ -17,10 +17,11 @@ from kit.events import Event
 class RankStrip:
     """A live HTML strip of the workers' status lines (empty while the session trains in this process)."""
 
-    def __init__(self, session: Any, every: float = 0.25):
+    def __init__(self, session: Any, every: float = 0.25, *, empty_alone: bool = False):
         import ipywidgets
 
-        self.session, self.every = session, every
+        # empty_alone: no line at all while the session trains in this process (inside the dashboard)
+        self.session, self.every, self.empty_alone = session, every, empty_alone
         self.widget = ipywidgets.HTML(self.html(), layout={"width": "100%"})
         self.drawn_at = 0.0
         session.on(Event.STEP_END, self.on_step_end)
@@ -40,7 +41,7 @@ class RankStrip:
 
         statuses = multiproc.rank_status(self.session)
         if not statuses:
-            return "<i>no worker processes (train with processes=N)</i>"
+            return "" if self.empty_alone else "<i>no worker processes (train with processes=N)</i>"
         rows = []
         for rank in sorted(statuses):
             s = statuses[rank]

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
+
 from kit.session.history import NOT_LOSSES
 
 HISTORY_COLUMNS = NOT_LOSSES

@@ -104,7 +104,7 @@ def test_redraws_are_throttled_by_wall_time(monkeypatch) -> None:
     assert drawing <= 0.02 * 100 + 0.1  # in the long run at most 2 % of the time
     assert drawing >= 0.02 * 100 - 0.1  # and it uses its budget: the picture stays live
     assert len(images) == dash.num_plots == len(renders)  # one image, replaced in place
-    assert len(dash.widget.children) == 5
+    assert len(dash.widget.children) == 6  # buttons+status, progress, ranks strip, note, image, memory
     assert renders[-1][1] > 950  # late frames show the late steps
 
 
