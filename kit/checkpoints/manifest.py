@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from typing import Any
 
+from kit import fileio
 from kit.errors import CorruptCheckpointError
 
 MAX_MANIFEST_BYTES = 1 << 20  # kit's manifests are about 1 KB
@@ -32,39 +32,10 @@ def read_manifest_file(path: str) -> dict[str, Any]:
 
 def _read_regular_file(path: str) -> bytes:
     """The bytes of ``path`` if it is a small regular file; never blocks (FIFOs, devices are refused)."""
-    try:
-        # O_NONBLOCK: a FIFO opened for reading would otherwise wait for a writer forever
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"Manifest {path} is missing (interrupted save or delete)") from None
-    except OSError as e:
-        raise CorruptCheckpointError(f"Manifest {path} cannot be opened ({e.strerror or e})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptCheckpointError(f"Manifest {path} is not a regular file (a {_file_type(info.st_mode)})")
-        if info.st_size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(
-                f"Manifest {path} is {info.st_size} bytes; kit's manifests are about 1 KB (limit {MAX_MANIFEST_BYTES})")
-        chunks, size = [], 0
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > MAX_MANIFEST_BYTES:
-                raise CorruptCheckpointError(f"Manifest {path} grew beyond {MAX_MANIFEST_BYTES} bytes while read")
-        return b"".join(chunks)
-    except OSError as e:
-        raise CorruptCheckpointError(f"Manifest {path} cannot be read ({e.strerror or e})") from None
-    finally:
-        os.close(fd)
-
-
-def _file_type(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISDIR, "folder"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
-        if test(mode):
-            return name
-    return "special file"
+    if not os.path.lexists(path):
+        raise CorruptCheckpointError(f"Manifest {path} is missing (interrupted save or delete)")
+    return fileio.read_capped(path, MAX_MANIFEST_BYTES, "Manifest", CorruptCheckpointError,
+                              "kit's manifests are about 1 KB")
 
 
 def _parse(data: bytes, path: str) -> Any:
