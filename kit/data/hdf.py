@@ -14,6 +14,8 @@ loaded, so files far larger than memory train.
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,8 +65,16 @@ class _FileIndex:
         return int(self.has_inputs) + self.target_keys.index(key)
 
 
+MAX_OPEN_FILES = 16  # open h5py files kept per dataset (each holds HDF5's caches, ~3 MB); the rest reopen
+CHUNK_CACHE_BYTES = 1 << 18  # HDF5's chunk cache per open dataset (its default is 1 MiB): sequences are read once
+
+
 class HDFDataset(Dataset):
     """RETURNN's ``HDFDataset``: one or more HDF files, read lazily with h5py.
+
+    At most ``MAX_OPEN_FILES`` files are open at once (the least recently read is closed when
+    another opens), so memory stays flat with the number of files; reads are serialised by a
+    lock, so the pipeline's prefetch thread and the training thread may both read.
 
     Args:
         files: paths of the HDF files (their sequences follow each other in this order).
@@ -91,7 +101,8 @@ class HDFDataset(Dataset):
         self.files = [os.fspath(f) for f in files]
         if not self.files:
             raise ConfigError("HDFDataset: 'files' is empty; give at least one HDF file")
-        self._handles: dict[int, Any] = {}
+        self._handles: OrderedDict[int, Any] = OrderedDict()  # the open files, least recently used first
+        self._lock = threading.RLock()
         self._index = [self._read_index(i) for i in range(len(self.files))]
         self.data_keys = self._index[0].data_keys
         for fi in self._index[1:]:
@@ -107,16 +118,21 @@ class HDFDataset(Dataset):
     # ---- files -----------------------------------------------------------------------
 
     def _file(self, i: int) -> Any:
-        """The open h5py file ``i`` (opened on first use; not pickled: each worker opens its own)."""
+        """The open h5py file ``i`` (opened on use, the least recently used closed beyond ``MAX_OPEN_FILES``;
+        not pickled: each worker opens its own). Call with ``self._lock`` held where a thread may read too."""
         fin = self._handles.get(i)
-        if fin is None:
-            import h5py  # type: ignore[import-untyped]  # here: ``import kit`` must not load h5py
+        if fin is not None:
+            self._handles.move_to_end(i)
+            return fin
+        import h5py  # type: ignore[import-untyped]  # here: ``import kit`` must not load h5py
 
-            try:
-                fin = h5py.File(self.files[i], "r")
-            except OSError as exc:
-                raise DataError(f"HDFDataset: cannot open {self.files[i]}: {exc}") from None
-            self._handles[i] = fin
+        while len(self._handles) >= MAX_OPEN_FILES:
+            self._handles.popitem(last=False)[1].close()
+        try:
+            fin = h5py.File(self.files[i], "r", rdcc_nbytes=CHUNK_CACHE_BYTES)
+        except OSError as exc:
+            raise DataError(f"HDFDataset: cannot open {self.files[i]}: {exc}") from None
+        self._handles[i] = fin
         return fin
 
     def _read_index(self, i: int) -> _FileIndex:
@@ -144,14 +160,25 @@ class HDFDataset(Dataset):
 
     def close(self) -> None:
         """Close the open files (they reopen on the next read)."""
-        for fin in self._handles.values():
-            fin.close()
-        self._handles.clear()
+        with self._lock:
+            for fin in self._handles.values():
+                fin.close()
+            self._handles.clear()
+
+    @property
+    def open_files(self) -> int:
+        """How many of the files are open now (at most ``MAX_OPEN_FILES``)."""
+        return len(self._handles)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_handles"] = {}  # h5py files cannot be pickled; a worker reopens them
+        state["_handles"] = OrderedDict()  # h5py files cannot be pickled; a worker reopens them
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     def __del__(self) -> None:
         try:
@@ -172,21 +199,24 @@ class HDFDataset(Dataset):
 
     def get_seq(self, idx: int) -> SeqDict:
         f, s = self._locate(idx)
-        fi, fin = self._index[f], self._file(f)
+        fi = self._index[f]
         out: SeqDict = {}
-        for key in self.data_keys:
-            c = fi.column(key)
-            a, b = int(fi.starts[s, c]), int(fi.starts[s + 1, c])
-            ds = fin["inputs"] if key == "data" and fi.has_inputs else fin["targets/data"][key]
-            out[key] = np.asarray(ds[a:b])
+        with self._lock:
+            fin = self._file(f)
+            for key in self.data_keys:
+                c = fi.column(key)
+                a, b = int(fi.starts[s, c]), int(fi.starts[s + 1, c])
+                ds = fin["inputs"] if key == "data" and fi.has_inputs else fin["targets/data"][key]
+                out[key] = np.asarray(ds[a:b])
         return out
 
     def get_seq_tag(self, idx: int) -> str:
         if self._tags is not None:
             return self._tags[self._check_index(idx)]
         f, s = self._locate(idx)
-        fin = self._file(f)
-        return _decode(fin["seqTags"][s]) if "seqTags" in fin else f"seq-{idx}"
+        with self._lock:
+            fin = self._file(f)
+            return _decode(fin["seqTags"][s]) if "seqTags" in fin else f"seq-{idx}"
 
     def get_seq_index(self, tag: str) -> int:
         if self._tags is None:
@@ -197,9 +227,11 @@ class HDFDataset(Dataset):
         """Every sequence tag, in dataset order (one read of each file's ``seqTags``)."""
         tags: list[str] = []
         for f, fi in enumerate(self._index):
-            fin = self._file(f)
-            if "seqTags" in fin:
-                tags += [_decode(t) for t in fin["seqTags"][...].tolist()]
+            with self._lock:
+                fin = self._file(f)
+                stored = fin["seqTags"][...].tolist() if "seqTags" in fin else None
+            if stored is not None:
+                tags += [_decode(t) for t in stored]
             else:
                 start = int(self._file_start[f])
                 tags += [f"seq-{start + i}" for i in range(fi.num_seqs)]
