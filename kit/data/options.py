@@ -20,7 +20,6 @@ from kit.config.keys import KEYS
 from kit.errors import ConfigError
 
 
-
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
     """What a :class:`kit.data.Pipeline` does with its dataset (config key names and meanings).

@@ -33,6 +33,7 @@ from kit.data.prefetch import Prefetch, loads_off_thread
 from kit.data.workers import WorkerPool, check_picklable
 from kit.errors import ConfigError, DataError
 
+
 def _shuffle_buffer(spec: int | Mapping[str, int] | None) -> int | None:
     """``online_shuffle_batches`` (an int, or ``{"buffer_size": n}``, checked by the key registry) as the
     buffer size; None when off."""
