@@ -102,6 +102,7 @@ class HDFDataset(Dataset):
         if not self.files:
             raise ConfigError("HDFDataset: 'files' is empty; give at least one HDF file")
         self._handles: OrderedDict[int, Any] = OrderedDict()  # the open files, least recently used first
+        self._arrays: dict[int, dict[str, Any]] = {}  # per open file: its h5py dataset per data key (looked up once)
         self._lock = threading.RLock()
         self._index = [self._read_index(i) for i in range(len(self.files))]
         self.data_keys = self._index[0].data_keys
@@ -127,7 +128,9 @@ class HDFDataset(Dataset):
         import h5py  # type: ignore[import-untyped]  # here: ``import kit`` must not load h5py
 
         while len(self._handles) >= MAX_OPEN_FILES:
-            self._handles.popitem(last=False)[1].close()
+            j, old = self._handles.popitem(last=False)
+            self._arrays.pop(j, None)
+            old.close()
         try:
             fin = h5py.File(self.files[i], "r", rdcc_nbytes=CHUNK_CACHE_BYTES)
         except OSError as exc:
@@ -164,6 +167,7 @@ class HDFDataset(Dataset):
             for fin in self._handles.values():
                 fin.close()
             self._handles.clear()
+            self._arrays.clear()
 
     @property
     def open_files(self) -> int:
@@ -172,7 +176,7 @@ class HDFDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_handles"] = OrderedDict()  # h5py files cannot be pickled; a worker reopens them
+        state["_handles"], state["_arrays"] = OrderedDict(), {}  # h5py files cannot be pickled; a worker reopens them
         del state["_lock"]
         return state
 
@@ -202,13 +206,22 @@ class HDFDataset(Dataset):
         fi = self._index[f]
         out: SeqDict = {}
         with self._lock:
-            fin = self._file(f)
-            for key in self.data_keys:
+            arrays = self._arrays_of(f)
+            for key, ds in arrays.items():
                 c = fi.column(key)
-                a, b = int(fi.starts[s, c]), int(fi.starts[s + 1, c])
-                ds = fin["inputs"] if key == "data" and fi.has_inputs else fin["targets/data"][key]
-                out[key] = np.asarray(ds[a:b])
+                out[key] = np.asarray(ds[int(fi.starts[s, c]) : int(fi.starts[s + 1, c])])
         return out
+
+    def _arrays_of(self, f: int) -> dict[str, Any]:
+        """File ``f``'s h5py dataset of each data key (opening the file when it is closed)."""
+        fin = self._file(f)
+        arrays = self._arrays.get(f)
+        if arrays is None:
+            has_inputs = self._index[f].has_inputs
+            arrays = self._arrays[f] = {
+                key: fin["inputs"] if key == "data" and has_inputs else fin["targets/data"][key] for key in self.data_keys
+            }
+        return arrays
 
     def get_seq_tag(self, idx: int) -> str:
         if self._tags is not None:

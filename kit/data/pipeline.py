@@ -86,6 +86,8 @@ class Pipeline:
         seq_indices: Sequence[int] | None = None,
         **changes: Any,
     ):
+        import numpy.random  # noqa: F401 - numpy loads it on first use (0.1-0.3 s): when built, not at the first batch
+
         opts = options if options is not None else PipelineOptions.read(None, train=train)
         if changes:
             opts = opts.replace(**changes)
@@ -302,16 +304,21 @@ class Pipeline:
         return batch
 
     def _next_loaded(self, ranges: list[tuple[int, int]], b: int) -> Batch:
-        """Batch ``b``: from the prefetch thread (started here when none runs), else loaded now."""
+        """Batch ``b``: from the prefetch thread, else loaded now (and the thread started for the next ones:
+        the first batch does not wait for a thread, and the thread never loads while this one does)."""
         load = partial(LoadAhead.load, self._ahead, self._loader, self._entries, ranges)  # no self: GC closes
-        if self._prefetch is None and self.prefetching and b + 1 < len(ranges):
-            self._prefetch = Prefetch(load, b, len(ranges), self.options.prefetch, pin=self.options.pin_memory)
         if self._prefetch is not None:
             batch = self._prefetch.take(b)
             if batch is not None:
                 return batch
             self._stop_prefetch()  # stopped, or failed on this batch: load it here (and raise, as without it)
-        return load(b)
+        batch = load(b)
+        if self.prefetching:
+            if b + 1 < len(ranges):
+                self._prefetch = Prefetch(load, b + 1, len(ranges), self.options.prefetch, pin=self.options.pin_memory)
+            if self.options.pin_memory:
+                batch = batch.pin_memory()
+        return batch
 
     def _stop_prefetch(self) -> None:
         if self._prefetch is not None:

@@ -24,8 +24,10 @@ training thread loads that batch itself on its turn and raises there, as without
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +62,16 @@ def loads_off_thread(dataset: Any) -> bool:
     return all(loads_off_thread(c) for c in [*(children or []), *([sub] if sub is not None else [])])
 
 
+_RUNNING: weakref.WeakSet[Prefetch] = weakref.WeakSet()  # closed at interpreter exit: a daemon thread inside
+# h5py or numpy while the interpreter finalises crashes the process
+
+
+@atexit.register
+def _close_all() -> None:
+    for prefetch in list(_RUNNING):
+        prefetch.close()
+
+
 def _ready(batch: Batch, pin: bool) -> Batch:
     """What the step would do first with a batch, done on the thread: pinned, masks built."""
     if pin:  # the mask is built on the device then
@@ -83,6 +95,7 @@ class Prefetch:
         self._thread = threading.Thread(
             target=self._run, args=(load, start, end, pin), name="kit-data-prefetch", daemon=True
         )
+        _RUNNING.add(self)
         self._thread.start()
 
     def _run(self, load: Callable[[int], Batch], start: int, end: int, pin: bool) -> None:
@@ -136,3 +149,4 @@ class Prefetch:
                 break
         if self._thread is not threading.current_thread():
             self._thread.join(JOIN_TIMEOUT)
+        _RUNNING.discard(self)
