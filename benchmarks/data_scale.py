@@ -4,14 +4,15 @@ Run: ``python benchmarks/data_scale.py`` (about 5-10 minutes on 2 cores; ``--lar
 2.4 GB set of 50 files, ``--sets 50mb`` runs one set, ``--steps`` sets the steps per run).
 
 Data: RETURNN's HDF layout (``inputs`` 40-dim float32 frames, 100-1500 frames per sequence,
-frame-level sparse ``classes`` targets, ``seqLengths``, ``seqTags``), written under a temporary
+frame-level sparse ``classes`` targets, ``seqLengths``, ``seqTags``; written by RETURNN's
+``SimpleHDFWriter`` when RETURNN is installed, else by kit's ``write_hdf``), under a temporary
 directory that is removed at the end: 50 MB in 1 file, 500 MB in 10 files, 1000 small files
 (~260 MB), and with ``--large`` 2.4 GB in 50 files. Page cache warm (the files were just written).
 
 Each (set, loader) runs in a fresh process (so that peak RSS is its own): a compute-bound frame
 MLP (one torch thread) trains ``--steps`` steps with batch_size 20000 frames, max_seqs 64,
 ``laplace:.100``; then the same number of the same loader's batches, loaded into memory first,
-train again in the same process. Printed per run:
+train again in the same process; ``--rounds`` such pairs, interleaved, medians. Printed per run:
 
 - ratio: wall time through the loader / wall time on the batches in memory (target <= 1.03x);
 - CPU us/seq: CPU time of the training thread per sequence beyond the in-memory run's (the data
@@ -33,6 +34,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,9 +59,8 @@ LOADERS = ["kit", "kit_sync", "kit_worker", "dataloader", "returnn"]
 
 
 def write_set(root: str, name: str) -> list[str]:
-    """RETURNN-layout HDF files of one set (kit's ``write_hdf``: RETURNN's ``HDFDataset`` reads them)."""
-    from kit.data.hdf import write_hdf
-
+    """RETURNN-layout HDF files of one set: RETURNN's ``SimpleHDFWriter`` when installed (chunked datasets,
+    as a RETURNN setup has them), else kit's ``write_hdf`` (the same layout, contiguous)."""
     files, per_file = SETS[name]
     os.makedirs(os.path.join(root, name), exist_ok=True)
     rng = np.random.default_rng(len(name))
@@ -69,9 +70,24 @@ def write_set(root: str, name: str) -> list[str]:
         seqs = [{"data": rng.standard_normal((t, FEATURES), dtype=np.float32),
                  "classes": rng.integers(0, CLASSES, size=t).astype(np.int32)} for t in lens]
         path = os.path.join(root, name, f"data.{f}.hdf")
-        write_hdf(path, seqs, tags=[f"f{f}-seq{i}" for i in range(len(seqs))])
+        write_hdf_file(path, seqs, [f"f{f}-seq{i}" for i in range(len(seqs))])
         paths.append(path)
     return paths
+
+
+def write_hdf_file(path: str, seqs: list[dict[str, np.ndarray]], tags: list[str]) -> None:
+    if not installed("returnn"):
+        from kit.data.hdf import write_hdf
+
+        write_hdf(path, seqs, tags=tags)
+        return
+    from returnn.datasets.hdf import SimpleHDFWriter  # type: ignore[import-untyped]
+
+    writer = SimpleHDFWriter(path, dim=FEATURES, ndim=2, extra_type={"classes": (CLASSES, 1, "int32")})
+    for seq, tag in zip(seqs, tags):
+        t = len(seq["classes"])
+        writer.insert_batch(seq["data"][None], seq_len={0: [t]}, seq_tag=[tag], extra={"classes": seq["classes"][None]})
+    writer.close()
 
 
 # ---- loaders: each yields (x [B,T,F] float32, y [B,T] int64, lengths [B], num_seqs) ------------------
@@ -198,10 +214,12 @@ def train(batches: Iterator[Any], steps: int) -> tuple[float, float, int]:
     return time.perf_counter() - wall, time.thread_time() - cpu, seqs
 
 
-def child(kind: str, files: list[str], steps: int) -> dict[str, Any]:
+def child(kind: str, files: list[str], steps: int, rounds: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
+    warm = (torch.randn(20, 1000, FEATURES), torch.randint(0, CLASSES, (20, 1000)), torch.full((20,), 1000), 20)
+    train(iter([warm] * 3), 3)  # the model's first steps (allocator, autograd) before any timing
     batches, opened, closable = make_loader(kind, files)
     started = time.perf_counter()
     it = batches()
@@ -212,25 +230,29 @@ def child(kind: str, files: list[str], steps: int) -> dict[str, Any]:
         yield first
         yield from it
 
-    wall, cpu, seqs = train(rest(), steps)
+    runs = [train(rest(), steps)]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    if closable is not None:
-        closable.close()
     kept = [b for _, b in zip(range(steps), batches())]  # the same loader's batches, in memory
+    mem = [train(iter(kept), steps)]
+    for _ in range(rounds - 1):  # interleaved, medians: the machine's load changes under a run
+        runs.append(train(batches(), steps))
+        mem.append(train(iter(kept), steps))
     if closable is not None:
         closable.close()
-    mem_wall, mem_cpu, mem_seqs = train(iter(kept), steps)
+    wall, cpu = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    mem_wall, mem_cpu = statistics.median(r[0] for r in mem), statistics.median(r[1] for r in mem)
+    seqs = runs[0][2]
     return {"kind": kind, "open_s": opened, "first_batch_s": first_batch, "seqs": seqs, "wall_s": wall,
-            "ratio": wall / mem_wall, "cpu_us_per_seq": 1e6 * (cpu - mem_cpu * seqs / mem_seqs) / seqs,
+            "ratio": wall / mem_wall, "cpu_us_per_seq": 1e6 * (cpu - mem_cpu) / seqs,
             "seqs_per_s": seqs / wall, "peak_rss_mb": rss}
 
 
-def run_child(kind: str, files: list[str], steps: int) -> dict[str, Any] | str:
+def run_child(kind: str, files: list[str], steps: int, rounds: int) -> dict[str, Any] | str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(files, f)
     try:
-        proc = subprocess.run([sys.executable, __file__, "--child", kind, f.name, str(steps)], capture_output=True,
+        proc = subprocess.run([sys.executable, __file__, "--child", kind, f.name, str(steps), str(rounds)], capture_output=True,
                               text=True, env=env, timeout=900)
     finally:
         os.unlink(f.name)
@@ -277,12 +299,13 @@ def main() -> None:
     ap.add_argument("--loaders", default=",".join(LOADERS))
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--md", default=None, help="append the table to this markdown file")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per run (medians)")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        kind, files_json, steps = args.child
+        kind, files_json, steps, rounds = args.child
         with open(files_json, encoding="utf-8") as f:
-            print(json.dumps(child(kind, json.load(f), int(steps))))
+            print(json.dumps(child(kind, json.load(f), int(steps), int(rounds))))
         return
     names = args.sets.split(",") + (["2.4gb"] if args.large else [])
     kinds = [k for k in args.loaders.split(",") if k != "returnn" or installed("returnn")]
@@ -296,7 +319,7 @@ def main() -> None:
             print(f"{name}: {len(files)} files, {size:.0f} MB written in {time.perf_counter() - started:.1f} s",
                   flush=True)
             for kind in kinds:
-                rows.append((f"{name} ({len(files)} files, {size:.0f} MB)", kind, run_child(kind, files, args.steps)))
+                rows.append((f"{name} ({len(files)} files, {size:.0f} MB)", kind, run_child(kind, files, args.steps, args.rounds)))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
             shutil.rmtree(os.path.join(root, name))
     finally:
