@@ -24,6 +24,7 @@ from kit.data.make import make_dataset
 from kit.data.meta import ConcatDataset, MetaDataset, StaticDataset
 from kit.data.ordering import seq_order
 from kit.data.pipeline import Pipeline, batches
+from kit.data.options import PipelineOptions
 from kit.data.returnn_adapter import ReturnnDataset
 from kit.data.text import CharTextDataset
 from kit.data.toy import Task12AXDataset
@@ -43,6 +44,7 @@ __all__ = [
     "HDFDataset",
     "MetaDataset",
     "Pipeline",
+    "PipelineOptions",
     "ReturnnDataset",
     "StaticDataset",
     "Task12AXDataset",

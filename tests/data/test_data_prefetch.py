@@ -158,3 +158,16 @@ def test_open_hdf_files_stay_bounded_and_reopen(hdf_files, monkeypatch):
     for i in range(60):
         ds.get_seq(i)
     assert ds.open_files == 6  # negative control: without the bound every file stays open
+
+
+def test_session_close_stops_the_thread(tmp_path):
+    import kit
+    from tests.helpers.models import tiny_config
+
+    session = kit.Session(**tiny_config(str(tmp_path / "model")))
+    try:
+        session.train_steps(3)
+        assert len(prefetch_threads()) == 1  # Task12AXDataset is kit's own: the next batches load meanwhile
+    finally:
+        session.close()
+    assert not prefetch_threads()
