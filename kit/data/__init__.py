@@ -22,9 +22,9 @@ from kit.data.extern_data import DataSpec, ExternData
 from kit.data.hdf import HDFDataset, write_hdf
 from kit.data.make import make_dataset
 from kit.data.meta import ConcatDataset, MetaDataset, StaticDataset
+from kit.data.options import PipelineOptions
 from kit.data.ordering import seq_order
 from kit.data.pipeline import Pipeline, batches
-from kit.data.options import PipelineOptions
 from kit.data.returnn_adapter import ReturnnDataset
 from kit.data.text import CharTextDataset
 from kit.data.toy import Task12AXDataset
