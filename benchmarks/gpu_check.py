@@ -20,6 +20,8 @@ with a simulated OOM, to test the script itself). Prints one table:
    ``Session.train_steps`` eager and with the whole step captured (every batch full, so no padding
    sequences), interleaved with the hand-written float32 loop; median step-time ratios, and the
    per-step losses of the graphed session against the eager one over the same batches.
+5. **overlap**: step time of Sessions reading the same sequences from HDF files (the prefetch
+   thread, pinned batches, ``non_blocking`` copies) and from memory, interleaved, median ratio.
 5. **OOM split**: ``Session.forward`` of a batch whose forward really runs out of device
    memory (it allocates a third of the free memory per sequence); with
    ``forward_auto_split_batch_on_oom`` the batch is split until it fits, and the outputs
@@ -170,6 +172,48 @@ def check_cuda_graph(w: e.Workload, rounds: int = 9, turn: int = 8) -> None:
     row("cuda graph: step, graphed / hand loop", f"{statistics.median(vs_loop):.3f}x", None)
     eager_s.close()
     graphed_s.close()
+
+
+def check_overlap(w: e.Workload, rounds: int = 7, turn: int = 8) -> None:
+    """Step time with the data read from HDF files (prefetch thread, pinned, non_blocking copies) against
+    the same data in memory (ArrayDataset): the step should not wait for the files (target <= 1.03x)."""
+    import tempfile
+
+    from kit.data import HDFDataset
+    from kit.data.hdf import write_hdf
+
+    seqs = e.make_seqs(w)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [os.path.join(tmp, f"d{i}.hdf") for i in range(4)]
+        for i, path in enumerate(files):
+            write_hdf(path, seqs[i::4], tags=[f"s{i}-{j}" for j in range(len(seqs[i::4]))])
+        torch.manual_seed(0)
+        base = w.make_model()
+        hdf = session(copy.deepcopy(base).to(DEVICE), w, torch_amp="bfloat16", train=HDFDataset(files))
+        mem = session(copy.deepcopy(base).to(DEVICE), w, torch_amp="bfloat16")
+
+        def timed(sess: kit.Session) -> float:
+            synchronize()
+            t = time.perf_counter()
+            sess.train_steps(turn)
+            synchronize()
+            return time.perf_counter() - t
+
+        hdf.train_steps(3)
+        mem.train_steps(3)
+        ratios, per_step = [], []
+        for r in range(rounds):  # who goes first alternates
+            if r % 2 == 0:
+                a, b = timed(mem), timed(hdf)
+            else:
+                b, a = timed(hdf), timed(mem)
+            ratios.append(b / a)
+            per_step.append(a / turn)
+        hdf.close()
+        mem.close()
+    med = statistics.median(ratios)
+    row("overlap: step on HDF / in memory", f"{med:.3f}x (in memory {statistics.median(per_step) * 1e3:.2f} ms/step)",
+        med <= 1.03 if DEVICE == "cuda" else None)
 
 
 def synchronize() -> None:
@@ -338,9 +382,9 @@ def main() -> int:
               "(--dry-run runs the throughput and OOM-split checks on the CPU, to test the script itself.)")
         return 0
     w = gpu_workload()
-    checks = [check_throughput, check_syncs, check_memory, check_cuda_graph, check_processes]
+    checks = [check_throughput, check_syncs, check_memory, check_cuda_graph, check_processes, check_overlap]
     if dry_run:
-        DEVICE, checks = "cpu", [check_throughput, check_processes]
+        DEVICE, checks = "cpu", [check_throughput, check_processes, check_overlap]
         w.max_seqs, w.num_seqs = 4, 4 * 4
         torch.set_num_threads(1)
     else:

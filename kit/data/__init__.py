@@ -22,6 +22,7 @@ from kit.data.extern_data import DataSpec, ExternData
 from kit.data.hdf import HDFDataset, write_hdf
 from kit.data.make import make_dataset
 from kit.data.meta import ConcatDataset, MetaDataset, StaticDataset
+from kit.data.options import PipelineOptions
 from kit.data.ordering import seq_order
 from kit.data.pipeline import Pipeline, batches
 from kit.data.returnn_adapter import ReturnnDataset
@@ -44,6 +45,7 @@ __all__ = [
     "HDFDataset",
     "MetaDataset",
     "Pipeline",
+    "PipelineOptions",
     "ReturnnDataset",
     "StaticDataset",
     "Task12AXDataset",

@@ -14,6 +14,8 @@ loaded, so files far larger than memory train.
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,6 +104,10 @@ class _FileIndex:
         return int(self.has_inputs) + self.target_keys.index(key)
 
 
+MAX_OPEN_FILES = 16  # open h5py files kept per dataset (each holds HDF5's caches, ~3 MB); the rest reopen
+CHUNK_CACHE_BYTES = 1 << 18  # HDF5's chunk cache per open dataset (its default is 1 MiB): sequences are read once
+
+
 def _checked_lengths(path: str, ds: Any, keys: list[str]) -> np.ndarray:
     """``seqLengths`` as int64 ``[num_seqs, len(keys)]``; a DataError for any value that is not a frame count."""
     columns = len(keys)
@@ -135,6 +141,10 @@ def _checked_lengths(path: str, ds: Any, keys: list[str]) -> np.ndarray:
 class HDFDataset(Dataset):
     """RETURNN's ``HDFDataset``: one or more HDF files, read lazily with h5py.
 
+    At most ``MAX_OPEN_FILES`` files are open at once (the least recently read is closed when
+    another opens), so memory stays flat with the number of files; reads are serialised by a
+    lock, so the pipeline's prefetch thread and the training thread may both read.
+
     Args:
         files: paths of the HDF files (their sequences follow each other in this order).
         use_cache_manager, cache_byte_size: RETURNN's caching options; kit always reads on
@@ -160,7 +170,9 @@ class HDFDataset(Dataset):
         self.files = [os.fspath(f) for f in files]
         if not self.files:
             raise ConfigError("HDFDataset: 'files' is empty; give at least one HDF file")
-        self._handles: dict[int, Any] = {}
+        self._handles: OrderedDict[int, Any] = OrderedDict()  # the open files, least recently used first
+        self._arrays: dict[int, dict[str, Any]] = {}  # per open file: its h5py dataset per data key (looked up once)
+        self._lock = threading.RLock()
         try:
             self._open()
         except BaseException:
@@ -189,17 +201,24 @@ class HDFDataset(Dataset):
     # ---- files -----------------------------------------------------------------------
 
     def _file(self, i: int) -> Any:
-        """The open h5py file ``i`` (opened on first use; not pickled: each worker opens its own)."""
+        """The open h5py file ``i`` (opened on use, the least recently used closed beyond ``MAX_OPEN_FILES``;
+        not pickled: each worker opens its own). Call with ``self._lock`` held where a thread may read too."""
         fin = self._handles.get(i)
-        if fin is None:
-            import h5py  # type: ignore[import-untyped]  # here: ``import kit`` must not load h5py
+        if fin is not None:
+            self._handles.move_to_end(i)
+            return fin
+        import h5py  # type: ignore[import-untyped]  # here: ``import kit`` must not load h5py
 
-            check_regular_file(self.files[i], "HDFDataset")
-            try:
-                fin = h5py.File(self.files[i], "r")
-            except (OSError, ValueError, RuntimeError) as exc:
-                raise DataError(f"HDFDataset: cannot open {self.files[i]}: {exc}") from None
-            self._handles[i] = fin
+        while len(self._handles) >= MAX_OPEN_FILES:
+            j, old = self._handles.popitem(last=False)
+            self._arrays.pop(j, None)
+            old.close()
+        check_regular_file(self.files[i], "HDFDataset")
+        try:
+            fin = h5py.File(self.files[i], "r", rdcc_nbytes=CHUNK_CACHE_BYTES)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise DataError(f"HDFDataset: cannot open {self.files[i]}: {exc}") from None
+        self._handles[i] = fin
         return fin
 
     def _read_index(self, i: int) -> _FileIndex:
@@ -239,14 +258,26 @@ class HDFDataset(Dataset):
 
     def close(self) -> None:
         """Close the open files (they reopen on the next read)."""
-        for fin in self._handles.values():
-            fin.close()
-        self._handles.clear()
+        with self._lock:
+            for fin in self._handles.values():
+                fin.close()
+            self._handles.clear()
+            self._arrays.clear()
+
+    @property
+    def open_files(self) -> int:
+        """How many of the files are open now (at most ``MAX_OPEN_FILES``)."""
+        return len(self._handles)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_handles"] = {}  # h5py files cannot be pickled; a worker reopens them
+        state["_handles"], state["_arrays"] = OrderedDict(), {}  # h5py files cannot be pickled; a worker reopens them
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     def __del__(self) -> None:
         try:
@@ -267,28 +298,40 @@ class HDFDataset(Dataset):
 
     def get_seq(self, idx: int) -> SeqDict:
         f, s = self._locate(idx)
-        fi, fin = self._index[f], self._file(f)
+        fi = self._index[f]
         out: SeqDict = {}
-        for key in self.data_keys:
-            c = fi.column(key)
-            a, b = int(fi.starts[s, c]), int(fi.starts[s + 1, c])
-            ds = fin["inputs"] if key == "data" and fi.has_inputs else fin["targets/data"][key]
-            try:
-                out[key] = np.asarray(ds[a:b])
-            except _H5_ERRORS as exc:
-                raise DataError(f"HDF file {fi.path}: key {key!r} of sequence {s} cannot be read "
-                                f"({type(exc).__name__}: {exc})") from None
+        with self._lock:
+            arrays = self._arrays_of(f)
+            for key, ds in arrays.items():
+                c = fi.column(key)
+                try:
+                    out[key] = np.asarray(ds[int(fi.starts[s, c]) : int(fi.starts[s + 1, c])])
+                except _H5_ERRORS as exc:
+                    raise DataError(f"HDF file {fi.path}: key {key!r} of sequence {s} cannot be read "
+                                    f"({type(exc).__name__}: {exc})") from None
         return out
+
+    def _arrays_of(self, f: int) -> dict[str, Any]:
+        """File ``f``'s h5py dataset of each data key (opening the file when it is closed)."""
+        fin = self._file(f)
+        arrays = self._arrays.get(f)
+        if arrays is None:
+            has_inputs = self._index[f].has_inputs
+            arrays = self._arrays[f] = {
+                key: fin["inputs"] if key == "data" and has_inputs else fin["targets/data"][key] for key in self.data_keys
+            }
+        return arrays
 
     def get_seq_tag(self, idx: int) -> str:
         if self._tags is not None:
             return self._tags[self._check_index(idx)]
         f, s = self._locate(idx)
-        fin = self._file(f)
-        try:
-            return _decode(fin["seqTags"][s]) if "seqTags" in fin else f"seq-{idx}"
-        except (*_H5_ERRORS, UnicodeDecodeError) as exc:
-            raise DataError(f"HDF file {self.files[f]}: the tag of sequence {s} cannot be read ({exc})") from None
+        with self._lock:
+            fin = self._file(f)
+            try:
+                return _decode(fin["seqTags"][s]) if "seqTags" in fin else f"seq-{idx}"
+            except (*_H5_ERRORS, UnicodeDecodeError) as exc:
+                raise DataError(f"HDF file {self.files[f]}: the tag of sequence {s} cannot be read ({exc})") from None
 
     def get_seq_index(self, tag: str) -> int:
         if self._tags is None:
@@ -299,11 +342,16 @@ class HDFDataset(Dataset):
         """Every sequence tag, in dataset order (one read of each file's ``seqTags``)."""
         tags: list[str] = []
         for f, fi in enumerate(self._index):
-            fin = self._file(f)
-            if "seqTags" in fin:
+            with self._lock:
+                fin = self._file(f)
                 try:
-                    tags += [_decode(t) for t in fin["seqTags"][...].tolist()]
-                except (*_H5_ERRORS, UnicodeDecodeError) as exc:
+                    stored = fin["seqTags"][...].tolist() if "seqTags" in fin else None
+                except _H5_ERRORS as exc:
+                    raise DataError(f"HDF file {fi.path}: seqTags cannot be read ({exc})") from None
+            if stored is not None:
+                try:
+                    tags += [_decode(t) for t in stored]
+                except UnicodeDecodeError as exc:
                     raise DataError(f"HDF file {fi.path}: seqTags cannot be read ({exc})") from None
             else:
                 start = int(self._file_start[f])

@@ -14,6 +14,7 @@ or in worker processes that return exactly the same batches in the same order.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -27,10 +28,10 @@ from kit.data.collate import BatchLoader
 from kit.data.dataset import Dataset, ordering_lengths
 from kit.data.extern_data import ExternData, make_extern_data
 from kit.data.make import make_dataset
+from kit.data.options import PipelineOptions
+from kit.data.prefetch import Prefetch, loads_off_thread
 from kit.data.workers import WorkerPool, check_picklable
 from kit.errors import ConfigError, DataError
-
-_DEFAULT_SEED = KEYS["random_seed"].default
 
 
 def _shuffle_buffer(spec: int | Mapping[str, int] | None) -> int | None:
@@ -62,82 +63,84 @@ class Pipeline:
 
     Args:
         dataset: a Dataset, a ``{"class": ...}`` dict, or a map-style torch dataset.
+        options: the settings (:class:`PipelineOptions`; None: the key registry's defaults).
         extern_data: the data spec; batches are validated against it (None: inferred).
-        train: chunking only applies in training unless ``chunking_in_eval`` (the config key's default
-            is True, RETURNN's torch engine; this constructor's is False).
-        batch_size: frames per batch including padding, int for all time keys or per key.
-        seq_ordering: overrides the dataset's own ``seq_ordering``.
-        random_seed: the config's ``random_seed``; as in RETURNN it does not change the data order.
+        train: chunking only applies in training unless ``chunking_in_eval`` (the config key).
         seq_indices: restrict to these dataset indices (in the epoch's order; partitions
             are not applied then).
+        **changes: options changed from ``options`` (``batch_size=``, ``max_seqs=``, ``seq_ordering=``,
+            ``num_workers=``, ``prefetch=``, ...), validated like config keys.
+
+    With ``prefetch`` > 0 (the default, config key ``data_prefetch``) and no worker processes, the
+    next batches of kit's own datasets load on a background thread while the step runs
+    (:mod:`kit.data.prefetch`); batches, order and ``position`` are those without it.
     """
 
     def __init__(
         self,
         dataset: Any,
+        options: PipelineOptions | None = None,
         *,
         extern_data: Mapping[str, Any] | ExternData | None = None,
         train: bool = True,
-        batch_size: int | Mapping[str, int] | None = 5000,
-        max_seqs: int | None = None,
-        min_seq_length: int | Mapping[str, int] | None = None,
-        max_seq_length: int | Mapping[str, int] | None = None,
-        chunking: Any = None,
-        min_chunk_size: int | Mapping[str, int] | None = None,
-        seq_ordering: str | None = None,
-        num_workers: int = 0,
-        dataloader_opts: Mapping[str, Any] | None = None,
-        random_seed: int | None = None,
         seq_indices: Sequence[int] | None = None,
-        chunking_in_eval: bool = False,
-        online_shuffle_batches: int | Mapping[str, int] | None = None,
-        packed_batch_size: int | Mapping[str, int] | None = None,
+        **changes: Any,
     ):
+        import numpy.random  # noqa: F401 - numpy loads it on first use (0.1-0.3 s): when built, not at the first batch
+
+        opts = options if options is not None else PipelineOptions.read(None, train=train)
+        if changes:
+            opts = opts.replace(**changes)
+        self.options = opts
         self.dataset = make_dataset(dataset)
         self.extern_data = make_extern_data(extern_data)
         self.train = train
         problems = [
             p
-            for p in (self._check_limit("batch_size", batch_size), self._check_limit("max_seqs", max_seqs))
+            for p in (self._check_limit("batch_size", opts.batch_size), self._check_limit("max_seqs", opts.max_seqs))
             if p
         ]
         if problems:
             raise ConfigError(problems)
-        self.batch_size, self.max_seqs = batch_size, max_seqs
-        self.packed_batch_size = packed_batch_size  # RETURNN's: a budget of summed lengths (no padding)
-        if packed_batch_size is not None and (callable(batch_size) or callable(max_seqs)):
+        self.batch_size, self.max_seqs = opts.batch_size, opts.max_seqs
+        self.packed_batch_size = opts.packed_batch_size
+        if self.packed_batch_size is not None and (callable(self.batch_size) or callable(self.max_seqs)):
             raise ConfigError("'packed_batch_size' together with a callable 'batch_size' or 'max_seqs' is not "
                               "supported: give batch_size/max_seqs as numbers, or drop packed_batch_size")
-        self.min_seq_length, self.max_seq_length = min_seq_length, max_seq_length
-        self.chunking = chunking if (train or chunking_in_eval) else None
+        self.min_seq_length, self.max_seq_length = opts.min_seq_length, opts.max_seq_length
+        self.chunking = opts.chunking if (train or opts.chunking_in_eval) else None
         check_chunking = KEYS["chunking"].check
         problem = check_chunking(self.chunking) if check_chunking is not None else None
         if problem:
             raise ConfigError(f"chunking: got {self.chunking!r}, expected {problem}")
-        self.min_chunk_size = min_chunk_size
-        if seq_ordering is not None:
-            ordering.parse(seq_ordering)
-        self.seq_ordering = seq_ordering
-        self.random_seed = _DEFAULT_SEED if random_seed is None else int(random_seed)
-        self.shuffle_buffer = _shuffle_buffer(online_shuffle_batches) if train else None
+        self.min_chunk_size = opts.min_chunk_size
+        if opts.seq_ordering is not None:
+            ordering.parse(opts.seq_ordering)
+        self.seq_ordering = opts.seq_ordering
+        self.random_seed = int(opts.random_seed)
+        self.shuffle_buffer = _shuffle_buffer(opts.online_shuffle_batches) if train else None
         self.seq_indices = None if seq_indices is None else [int(i) for i in seq_indices]
-        opts = dict(dataloader_opts or {})
-        self.num_workers = int(num_workers or opts.pop("num_workers", 0) or 0)
-        opts.pop("num_workers", None)
+        self.num_workers = opts.num_workers
         self._loader = BatchLoader(self.dataset, self.extern_data)
         self._pool: WorkerPool | None = None
-        self._pool_opts = opts
+        self._pool_opts = dict(opts.dataloader_opts)
         if self.num_workers > 0:
             check_picklable(self._loader, self.num_workers, _describe(self.dataset))
-            self._pool = WorkerPool(self._loader, self.num_workers, opts)
+            self._pool = WorkerPool(self._loader, self.num_workers, self._pool_opts)
         self._lengths: dict[str, np.ndarray] | None = None
         self._entries = batching.EpochEntries(np.zeros(0, dtype=np.int64), {})
         self._ranges: list[tuple[int, int]] | None = None  # the batches (a sharding subclass keeps its share)
         self._fracs: list[float] = []  # RETURNN's complete_frac after each batch
         self._iter: Iterator[Batch] | None = None
         self._ahead = LoadAhead()  # without workers: the next batches of a packed dataset, loaded together
+        self._prefetch: Prefetch | None = None  # the background thread, while one runs
         self.epoch = 0
         self.position = 0
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether batches load on a background thread (``prefetch`` > 0, no workers, kit's own dataset)."""
+        return self.options.prefetch > 0 and self._pool is None and loads_off_thread(self.dataset)
 
     @staticmethod
     def _check_limit(name: str, value: Any) -> str | None:
@@ -153,25 +156,10 @@ class Pipeline:
     ) -> Pipeline:
         """The pipeline the config describes (``overrides`` win); ``seq_ordering`` only in training."""
         cfg = config if isinstance(config, Config) else Config(config)
-        loader_opts = dict(cfg.typed_value("torch_dataloader_opts") or {})
-        kwargs: dict[str, Any] = {
-            "extern_data": cfg.typed_value("extern_data"),
-            "batch_size": _batch_size(cfg, train),
-            "max_seqs": cfg.typed_value("max_seqs"),
-            "packed_batch_size": cfg.typed_value("packed_batch_size"),
-            "min_seq_length": cfg.typed_value("min_seq_length"),
-            "max_seq_length": cfg.typed_value("max_seq_length"),
-            "chunking": cfg.typed_value("chunking"),
-            "min_chunk_size": cfg.typed_value("min_chunk_size"),
-            "chunking_in_eval": bool(cfg.typed_value("chunking_in_eval")),
-            "online_shuffle_batches": cfg.typed_value("online_shuffle_batches") if train else None,
-            "seq_ordering": cfg.typed_value("seq_ordering") if train else None,
-            "random_seed": cfg.typed_value("random_seed"),
-            "num_workers": loader_opts.pop("num_workers", 0),
-            "dataloader_opts": loader_opts,
-        }
-        kwargs.update(overrides)
-        return cls(dataset, train=train, **kwargs)
+        extern_data = overrides.pop("extern_data", cfg.typed_value("extern_data"))
+        seq_indices = overrides.pop("seq_indices", None)
+        return cls(dataset, options=PipelineOptions.read(cfg, train=train), extern_data=extern_data, train=train,
+                   seq_indices=seq_indices, **overrides)
 
     # ---- planning --------------------------------------------------------------------
 
@@ -314,7 +302,7 @@ class Pipeline:
             self._drop_iter()
             raise StopIteration
         if self._pool is None:
-            batch = self._ahead.load(self._loader, self._entries, ranges, b)
+            batch = self._next_loaded(ranges, b)
         else:
             if self._iter is None:
                 self._iter = self._pool.start([(i, self._entries.batch(*ranges[i])) for i in range(b, len(ranges))])
@@ -323,7 +311,30 @@ class Pipeline:
         self.position = b + 1
         return batch
 
+    def _next_loaded(self, ranges: list[tuple[int, int]], b: int) -> Batch:
+        """Batch ``b``: from the prefetch thread, else loaded now (and the thread started for the next ones:
+        the first batch does not wait for a thread, and the thread never loads while this one does)."""
+        load = partial(LoadAhead.load, self._ahead, self._loader, self._entries, ranges)  # no self: GC closes
+        if self._prefetch is not None:
+            batch = self._prefetch.take(b)
+            if batch is not None:
+                return batch
+            self._stop_prefetch()  # stopped, or failed on this batch: load it here (and raise, as without it)
+        batch = load(b)
+        if self.prefetching:
+            if b + 1 < len(ranges):
+                self._prefetch = Prefetch(load, b + 1, len(ranges), self.options.prefetch, pin=self.options.pin_memory)
+            if self.options.pin_memory:
+                batch = batch.pin_memory()
+        return batch
+
+    def _stop_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
+
     def _drop_iter(self) -> None:
+        self._stop_prefetch()  # before the plan or the loader change under it
         self._iter = None  # a persistent DataLoader resets its workers on the next iter()
         self._ahead.clear()
 
@@ -351,7 +362,8 @@ class Pipeline:
         self.position = position
 
     def close(self) -> None:
-        """Stop the worker processes (also done on garbage collection)."""
+        """Stop the prefetch thread and the worker processes (also done on garbage collection)."""
+        self._stop_prefetch()
         self._iter = None
         if self._pool is not None:
             self._pool.close()
@@ -366,11 +378,11 @@ class Pipeline:
         n = len(self._ranges) if self._ranges is not None else "?"
         return (
             f"Pipeline({_describe(self.dataset)}, epoch={self.epoch}, position={self.position}/{n}, "
-            f"train={self.train}, workers={self.num_workers})"
+            f"train={self.train}, workers={self.num_workers}, prefetch={self.prefetching})"
         )
 
 
-_PIPELINE_ONLY = ("num_workers", "dataloader_opts", "seq_indices")
+_PIPELINE_ONLY = ("num_workers", "dataloader_opts", "seq_indices", "prefetch")
 
 
 def batches(
@@ -385,7 +397,7 @@ def batches(
 
     ``config_keys`` are config keys (``batch_size=``, ``chunking=``, ...), validated like a
     config: unknown keys raise ConfigError with a suggestion. ``num_workers``,
-    ``dataloader_opts`` and ``seq_indices`` are passed to the Pipeline.
+    ``dataloader_opts``, ``prefetch`` and ``seq_indices`` are passed to the Pipeline.
 
     >>> for batch in batches(Task12AXDataset(100), batch_size=1000, seq_ordering="laplace:.10"):
     ...     print(batch["data"].shape)
@@ -397,10 +409,3 @@ def batches(
     pipe = Pipeline.from_config(dataset, config, train=train, **extra)
     pipe.set_epoch(epoch)
     return pipe
-
-
-def _batch_size(config: Config, train: bool) -> Any:
-    """``batch_size_train`` (training) or ``batch_size_dev`` (evaluation, forwarding) when set, else
-    ``batch_size``: RETURNN's choice."""
-    own = config.typed_value("batch_size_train" if train else "batch_size_dev")
-    return own if own is not None else config.typed_value("batch_size")

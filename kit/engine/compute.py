@@ -35,7 +35,8 @@ class Compute:
         self.amp_dtype, self.float_dtype, self.grad_scaler = amp_dtype, float_dtype, grad_scaler
 
     def to_device(self, batch: Batch) -> Batch:
-        # the pipeline's batches are on the CPU: on a CPU device, .to() would only cost host time
+        # the pipeline's batches are on the CPU: on a CPU device, .to() would only cost host time. On CUDA the
+        # prefetch thread pinned them (PipelineOptions.pin_memory), so the copy runs beside the host's work
         return batch if self.device.type == "cpu" else batch.to(self.device, non_blocking=True)
 
     def forward(self, fn: UserStep, ctx: RunCtx, batch: Batch) -> None:

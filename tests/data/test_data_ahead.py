@@ -142,7 +142,7 @@ def test_ahead_equals_one_by_one_across_epochs(monkeypatch, extern_data, opts, f
 
 @pytest.mark.parametrize("fixed", [None, 1])
 def test_batches_are_loaded_ahead_within_limits(monkeypatch, loads, fixed):
-    pipe = Pipeline(ArrayDataset(seqs(fixed=fixed)), extern_data=SPEC, batch_size=10**6, max_seqs=2)
+    pipe = Pipeline(ArrayDataset(seqs(fixed=fixed)), extern_data=SPEC, batch_size=10**6, max_seqs=2, prefetch=0)
     n = len(pipe)
     next(pipe)
     assert loads[0] == ahead_mod.MAX_BATCHES  # this one and the next 63

@@ -120,7 +120,9 @@ def test_eval_chunks_as_returnn_unless_turned_off():
     assert [b["data"].lengths.tolist() for b in no_chunks] == [[25]]
     (b,) = collect(batches(ds, chunking=10, train=False))  # the config key's default: RETURNN's torch engine
     assert b["data"].lengths.tolist() == [10, 10, 5]
-    pipe = Pipeline(ds, chunking=10, train=False)
+    # a Pipeline built by hand has the config key's default too (no second set of defaults)
+    assert [b["data"].lengths.tolist() for b in Pipeline(ds, chunking=10, train=False)] == [[10, 10, 5]]
+    pipe = Pipeline(ds, chunking=10, chunking_in_eval=False, train=False)
     assert [b["data"].lengths.tolist() for b in pipe] == [[25]]
 
 
