@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -68,7 +69,7 @@ def test_state_after_steps_and_epoch_end() -> None:
     progress = dash.progress_line.value
     assert "epoch 1/3" in progress and "step 3 of ≈" in progress and "%" in progress and "s/step" in progress
     assert "status: ready" in dash.status_line.value
-    assert "process RSS" in dash.memory_line.value and "MiB" in dash.memory_line.value
+    assert re.search(r"process RSS [0-9.]+ [MG]iB", dash.memory_line.value)  # (GiB late in a long test run)
     assert bytes(dash.image.value).startswith(PNG_MAGIC)
     assert dash.timeline.memory["memory_rss"][-1] > 0
 
