@@ -14,8 +14,10 @@ import numpy as np
 from kit.data.dataset import Dataset, SeqDict
 from kit.data.packed import PackedKey
 from kit.errors import ConfigError, DataError
+from kit.fileio import read_capped
 
 # id 0 = unknown char; then "\t", "\n" and printable ASCII: a fixed vocabulary, the same for every split
+MAX_SOURCE_BYTES = 64 << 20  # one source file of the corpus (the standard library's largest is ~1 MB)
 VOCAB = ["<unk>", "\t", "\n"] + [chr(c) for c in range(32, 127)]
 _CHAR_TO_ID = {c: i for i, c in enumerate(VOCAB)}
 _LUT = np.zeros(128, dtype=np.int64)
@@ -97,8 +99,8 @@ class CharTextDataset(Dataset):
     def _load(files: list[str], mode: str, piece_len: int, min_len: int) -> tuple:
         chunks, starts, lens, tags, offset = [], [], [], [], 0
         for path in files:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
+            text = read_capped(path, MAX_SOURCE_BYTES, "CharTextDataset", DataError,
+                               "a source file of the corpus is read whole into memory").decode("utf-8", "replace")
             ids = encode_text(text)
             name = os.path.basename(path)
             if mode == "lines":

@@ -1,5 +1,6 @@
 """Built-in datasets and make_dataset."""
 
+import os
 import sysconfig
 
 import numpy as np
@@ -132,3 +133,18 @@ def test_make_dataset():
     with pytest.raises(DataError):
         make_dataset(42)
     assert kit.data.Dataset is kit.data.dataset.Dataset
+
+
+def test_char_text_reads_its_sources_with_a_size_cap(tmp_path, monkeypatch):
+    import kit.data.text as text
+
+    (tmp_path / "a.py").write_text("x = 1\n" * 10)
+    (tmp_path / "b.py").write_text("y = 2\n" * 1000)
+    assert CharTextDataset("all", root=str(tmp_path)).num_seqs == 1010
+    monkeypatch.setattr(text, "MAX_SOURCE_BYTES", 1000)
+    with pytest.raises(kit.DataError, match=r"b\.py is 6000 bytes, more than kit reads \(1000"):
+        CharTextDataset("all", root=str(tmp_path))
+    os.mkfifo(tmp_path / "c.py")  # a FIFO is refused without being opened (it would block)
+    monkeypatch.setattr(text, "MAX_SOURCE_BYTES", 1 << 20)
+    with pytest.raises(kit.DataError, match=r"c\.py is a FIFO"):
+        CharTextDataset("all", root=str(tmp_path))
