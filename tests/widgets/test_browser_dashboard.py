@@ -508,7 +508,9 @@ def _run_dashboard_notebook_and_check(page) -> None:
     _scroll_for_screenshot(dashboard)
     page.screenshot(path=str(ARTIFACTS / "dashboard-paused.png"), full_page=True)
     resume.click(timeout=5000)
-    _wait_for(page, lambda: "running" in status.inner_text(), "training again after Resume", timeout=30)
+    # training again: "running", unless the paused epoch's last steps ran between two looks (then "finished")
+    _wait_for(page, lambda: "running" in status.inner_text() or "status: finished" in status.inner_text(),
+              "training again after Resume", timeout=30)
     # when training has ended, the last frame stays: all steps drawn, status "finished"
     _wait_for(
         page, lambda: "status: finished" in status.inner_text(), "the resumed run to finish", timeout=120
