@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+from report import add_write_flag, publish
 
 FEATURES, CLASSES, HIDDEN = 40, 50, 128
 BATCH_SIZE, MAX_SEQS, ORDER = 20000, 64, "laplace:.100"
@@ -284,23 +285,15 @@ def table(rows: list[tuple[str, str, dict[str, Any] | str]]) -> str:
     return "\n".join(lines)
 
 
-def write_results(text: str, md: str | None) -> None:
-    """Print the table; with ``md``, append it to that file (e.g. docs/benchmarks.md)."""
-    print(text)
-    if md:
-        with open(md, "a", encoding="utf-8") as f:
-            f.write("\n" + text + "\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sets", default="50mb,500mb,1000files", help=f"comma-separated, of {list(SETS)}")
     ap.add_argument("--large", action="store_true", help="add the 2.4 GB set of 50 files (disk and ~10 more minutes)")
     ap.add_argument("--loaders", default=",".join(LOADERS))
     ap.add_argument("--steps", type=int, default=25)
-    ap.add_argument("--md", default=None, help="append the table to this markdown file")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per run (medians)")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    add_write_flag(ap)
     args = ap.parse_args()
     if args.child:
         kind, files_json, steps, rounds = args.child
@@ -326,7 +319,11 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     if "returnn" in args.loaders.split(",") and "returnn" not in kinds:
         print("(RETURNN is not installed: its row is left out)")
-    write_results(table(rows), args.md)
+    text = table(rows)
+    print(text)
+    publish(args, "data_scale", text, notes=(
+        f"{args.steps} steps per run, {args.rounds} interleaved rounds (medians), one torch thread; ratio: the same "
+        "training on batches already in memory = 1; CPU µs/seq: process CPU time on the training thread per sequence"))
 
 
 if __name__ == "__main__":

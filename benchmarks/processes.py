@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import torch
+from report import Table, add_write_flag, publish
 
 import kit
 from kit.data import Task12AXDataset
@@ -94,6 +95,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=400, help="train sequences (10 per batch)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--calls", type=int, default=5, help="one-step calls timed for the per-call cost")
+    add_write_flag(parser)
     args = parser.parse_args()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the single process: one thread, as each worker
@@ -117,6 +119,14 @@ def main() -> None:
           f"({double / single:.2f}x; hidden {args.hidden}, {args.seqs // 10} batches per epoch)")
     print(f"worker start-up: {startup:.1f} s; per call: {per_call * 1e3:.0f} ms over one step's {step_secs * 1e3:.0f} ms")
     print(f"event log per step: {log * 1e6:.2f} µs ({log / 0.5e-3:.2%} of a 0.5 ms step)")
+    table = Table("measure", "value", "target")
+    table.add("throughput, 2 workers / 1 process", f"{double / single:.2f}x ({double:.2f} vs {single:.2f} batches/s)",
+              ">= 1.7x")
+    table.add("worker start-up", f"{startup:.1f} s", "")
+    table.add("per call, beyond its step", f"{per_call * 1e3:.0f} ms (one step: {step_secs * 1e3:.0f} ms)", "")
+    table.add("event log, per step of a CLI run", f"{log * 1e6:.2f} µs", "<= 1 % of a step")
+    publish(args, "processes", table, notes=f"MLP hidden {args.hidden}, {args.seqs // 10} batches per epoch, "
+            f"{args.epochs} timed epochs; the single process with one torch thread, each worker with its share")
 
 
 if __name__ == "__main__":
