@@ -376,7 +376,7 @@ _KEYS: list[Key] = [
     _k("data", "seq_ordering", "str", None, "override the datasets' own seq_ordering for training", seq_ordering_spec),
     _k("data", "torch_dataloader_opts", "dict", None, "{'num_workers': k, ...}; workers never duplicate data",
        dataloader_opts_spec),
-    _k("data", "data_prefetch", "int", 4, "batches loaded ahead on a background thread while the step runs (kit's own datasets; 0: on the training thread)", non_negative_int),
+    _k("data", "data_prefetch", "int", 4, "batches loaded ahead on a background thread while the step runs (kit's own datasets that read files: HDF, DistributeFilesDataset, or Meta/Concat over them; in-memory data loads on the training thread, where it is faster; 0: off)", non_negative_int),
     _k("data", "random_seed", "int", 42, "seed for model init and training randomness (data orders follow RETURNN: epoch, fixed_random_seed, random_seed_offset)", non_negative_int),
     # training loop
     _k("training", "task", "str", "train", "RETURNN's task; in kit the command (train / eval / forward) or the Session call decides what runs", one_of("train", "eval", "forward")),

@@ -17,6 +17,7 @@ import hashlib
 import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +77,9 @@ class HotEdits:
         self.config, self.history = config, history
         self._model, self._global_step, self._scores, self._save_scores = model, global_step, scores, save_scores
         self.segments: list[tuple[int, str]] = []
+        # per call only lookups: the model's own classes once per model, a version once per set of code objects
+        self._classes: tuple[Any, list[type]] | None = None  # (weakref to the model, its own classes)
+        self._version: tuple[tuple[Any, ...], str] | None = None  # (the code objects hashed, their version)
 
     def attach(self, events: Any) -> HotEdits:
         events.on("run_begin", self.on_run_begin)
@@ -93,16 +97,33 @@ class HotEdits:
         if updates:
             self.config.update(updates)
         model = self._model()
-        for module in model.modules() if model is not None else []:
-            new_cls = redefined(type(module))
-            if new_cls is not None:
-                changed.append(new_cls.__qualname__)
-                module.__class__ = new_cls
+        new_classes = {cls: new for cls in self._own_classes(model) if (new := redefined(cls)) is not None}
+        if new_classes:
+            for module in model.modules():
+                new_cls = new_classes.get(type(module))
+                if new_cls is not None:
+                    module.__class__ = new_cls
+            changed += [cls.__qualname__ for cls in new_classes.values()]
+            self._classes = None  # the model's classes changed
         return list(dict.fromkeys(changed))
+
+    def _own_classes(self, model: Any) -> list[type]:
+        """The model's own classes, looked up once per model (walking its modules at every call would cost
+        a large model milliseconds)."""
+        if model is None:
+            return []
+        if self._classes is None or self._classes[0]() is not model:
+            self._classes = (weakref.ref(model), _own_classes(model))
+        return self._classes[1]
 
     def current_version(self) -> str:
         functions = [self.config.typed_value(k, None) for k in ("train_step", "forward_step")]
-        return code_version(functions, _own_classes(self._model()))
+        objects = (*functions, *self._own_classes(self._model()))
+        if self._version is None or len(self._version[0]) != len(objects) or \
+                any(a is not b for a, b in zip(self._version[0], objects)):
+            # hashing reads the sources (inspect.getsource: milliseconds): only when the code objects changed
+            self._version = (objects, code_version(functions, list(objects[len(functions):])))
+        return self._version[1]
 
     def on_run_begin(self, **_: Any) -> None:
         changed = self.refresh()

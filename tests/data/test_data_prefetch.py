@@ -56,7 +56,8 @@ def make(ds, **opts) -> Pipeline:
 def test_same_batches_in_the_same_order_with_and_without_prefetch(hdf_files, kind):
     ds = lambda: HDFDataset(hdf_files) if kind == "hdf" else ArrayDataset(seqs(60))  # noqa: E731
     sync, ahead = make(ds(), prefetch=0), make(ds())
-    assert not sync.prefetching and ahead.prefetching  # the default prefetches; 0 turns it off
+    # the default prefetches data read from files (0 turns it off); in-memory data loads on the training thread
+    assert not sync.prefetching and ahead.prefetching == (kind == "hdf")
     for epoch in (1, 2):
         sync.set_epoch(epoch)
         ahead.set_epoch(epoch)
@@ -164,10 +165,15 @@ def test_session_close_stops_the_thread(tmp_path):
     import kit
     from tests.helpers.models import tiny_config
 
-    session = kit.Session(**tiny_config(str(tmp_path / "model")))
+    from kit.data import Task12AXDataset
+    from kit.data.hdf import write_hdf
+
+    toy = Task12AXDataset(400, seed=1)  # many batches: the thread is still loading after 3 steps
+    write_hdf(str(tmp_path / "train.hdf"), [toy.get_seq(i) for i in range(400)], tags=[f"t{i}" for i in range(400)])
+    session = kit.Session(**tiny_config(str(tmp_path / "model"), train=HDFDataset([str(tmp_path / "train.hdf")])))
     try:
         session.train_steps(3)
-        assert len(prefetch_threads()) == 1  # Task12AXDataset is kit's own: the next batches load meanwhile
+        assert len(prefetch_threads()) == 1  # HDF files, read by kit's own code: the next batches load meanwhile
     finally:
         session.close()
     assert not prefetch_threads()
