@@ -163,10 +163,9 @@ def test_open_hdf_files_stay_bounded_and_reopen(hdf_files, monkeypatch):
 
 def test_session_close_stops_the_thread(tmp_path):
     import kit
-    from tests.helpers.models import tiny_config
-
     from kit.data import Task12AXDataset
     from kit.data.hdf import write_hdf
+    from tests.helpers.models import tiny_config
 
     toy = Task12AXDataset(400, seed=1)  # many batches: the thread is still loading after 3 steps
     write_hdf(str(tmp_path / "train.hdf"), [toy.get_seq(i) for i in range(400)], tags=[f"t{i}" for i in range(400)])
