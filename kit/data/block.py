@@ -117,7 +117,8 @@ class _Carver:
 
     def __init__(self, buffer: np.ndarray | None):
         self.buffer = buffer
-        self.offset = 0 if buffer is None else -buffer.ctypes.data % _ALIGN
+        address = 0 if buffer is None else buffer.__array_interface__["data"][0]  # numpy's array interface
+        self.offset = -address % _ALIGN
         self.total = 0  # bytes asked for, aligned: what the next block's buffer should hold
 
     def array(self, shape: tuple[int, ...], dtype: np.dtype, *, zero: bool) -> np.ndarray:

@@ -64,7 +64,7 @@ def _exit_with_parent(parent: int) -> None:
         while True:
             time.sleep(1.0)
             if os.getppid() != parent:
-                os.kill(os.getpid(), signal.SIGKILL)  # the process, from this thread
+                os._exit(1)  # the whole worker process at once, from this thread (no signal sent)
 
     threading.Thread(target=watch, name="kit-worker-parent-watch", daemon=True).start()
 
