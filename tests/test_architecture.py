@@ -25,6 +25,8 @@ THIRD_PARTY = {  # name: why kit reaches it — none for speed; each has no publ
     "_new_shared": "torch.UntypedStorage._new_shared: shared-memory batches from data workers",
     "_iterator": "DataLoader._iterator: shutting its workers down without a new iterator",
     "_shutdown_workers": "the DataLoader iterator's worker shutdown",
+    "_exit": "os._exit (public, documented): a worker process whose kernel is gone ends itself from its "
+             "watcher thread, without a signal and without running the kernel's exit handlers",
 }
 PRIVATE_MODULES = {  # modules named with an underscore that kit imports, and why
     "torch.utils._python_dispatch": "TorchDispatchMode, the replay's per-op check (its only home in torch)",
