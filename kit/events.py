@@ -17,11 +17,12 @@ hook may stop training on purpose) is called first and its exception goes throug
 from __future__ import annotations
 
 import enum
-import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from kit.signatures import keyword_names
 
 if TYPE_CHECKING:
     from kit.checkpoints import Checkpoint
@@ -230,7 +231,7 @@ class Events:
         ev = _event(event)
         if not callable(fn):
             raise TypeError(f"event handler for {ev.value!r} must be callable, got {fn!r}")
-        self._accepts[fn] = _accepted_names(fn)
+        self._accepts[fn] = keyword_names(fn)
         (self._raising if may_raise else self._handlers)[ev].append(fn)
         return fn
 
@@ -280,18 +281,6 @@ class Events:
                 indent = line[: len(line) - len(line.lstrip())]
                 lines += [f"{indent}  -> {_name(fn)}" for fn in self.handlers(name)]
         return "\n".join(lines)
-
-
-def _accepted_names(fn: Handler) -> frozenset[str] | None:
-    """The keyword names ``fn`` takes; None when it takes ``**kwargs`` (or its signature is unknown)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return frozenset(p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                           inspect.Parameter.KEYWORD_ONLY))
 
 
 def _event(event: Event | str) -> Event:

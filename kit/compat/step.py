@@ -25,8 +25,8 @@ from typing import Any
 from kit.compat.imports import is_fallback_module, returnn_imports
 from kit.compat.seeding import apply_pending_seed
 from kit.compat.tensor import batch_view
-from kit.engine.user_code import keyword_names
 from kit.run_ctx import get_run_ctx
+from kit.signatures import keyword_names
 
 ADAPTED_ATTR = "__kit_returnn_adapted__"
 STEP_KEYS = ("train_step", "forward_step")

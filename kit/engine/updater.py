@@ -32,8 +32,8 @@ from kit.engine.optimizer_check import (  # noqa: F401 - resolve_* and optimizer
     resolve_dotted,
     resolve_optimizer_class,
 )
-from kit.engine.user_code import keyword_names
 from kit.errors import ConfigError, KitError
+from kit.signatures import keyword_names
 
 # options of the optimizer dict that kit consumes (RETURNN's places for them); not passed to torch
 _GROUPING_OPTS = (

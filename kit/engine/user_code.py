@@ -11,21 +11,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit.errors import ConfigError
+from kit.signatures import keyword_names
 
 if TYPE_CHECKING:
     from kit.data.batch import Batch
-
-
-def keyword_names(fn: Callable[..., Any]) -> set[str] | None:
-    """The parameter names ``fn`` takes by keyword; None when it takes ``**kwargs`` (any keyword)
-    or has no signature to read (a builtin), so that callers pass everything."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params}
 
 
 def check_accepts_kwargs(fn: Callable, key: str) -> None:
