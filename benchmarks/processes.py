@@ -1,13 +1,18 @@
 """``session.train(processes=N)``: throughput of 2 workers against 1 process, start-up, per-call cost,
 and what watching a CLI run (``kit.attach``'s event log) costs the run.
 
-Run: ``python benchmarks/processes.py [--epochs 2] [--seqs 400] [--hidden 1024]``.
+Run: ``python benchmarks/processes.py [--epochs 2] [--batches 40] [--max-seqs 40,10] [--hidden 1024]``.
 
-Compute-bound: a per-frame MLP (9 → hidden → hidden → hidden → 2) on Task12AX batches of 10
-sequences (~600 frames), Adam; every process has one torch thread (the kernel's run sets
-``torch.set_num_threads(1)``, the workers get ``threads // N``: run it with ``OMP_NUM_THREADS=2``
-or more on a 2-core machine so that each of the 2 workers gets one). Throughput is the train
-batches per second of a warm epoch (the second; the first includes the set-up), wall time.
+A per-frame MLP (9 → hidden → hidden → hidden → 2, 2.1M parameters at hidden 1024) on Task12AX
+sequences, Adam, batches of ``--max-seqs`` sequences in RETURNN's usual training order
+(``laplace``: neighbouring batches of similar length, so the ranks' steps take similar time).
+Compute-bound means the step's arithmetic dominates its gradient all-reduce: at 40 sequences
+(~2,400 frames) per batch the all-reduce of 8 MB is a few percent of a step; at 10 (~600 frames)
+it is several times larger in proportion — both are printed, so the dependence shows. Every
+process has one torch thread (the kernel's run sets ``torch.set_num_threads(1)``, the workers get
+``threads // N``: run it with ``OMP_NUM_THREADS=2`` or more on a 2-core machine so that each of
+the 2 workers gets one). Throughput is the train batches per second of the warm epochs (the
+first epoch, with the set-up and the workers' start, is not timed), wall time.
 
 * **start-up**: spawning the workers, importing torch and kit, joining the process group;
 * **per call**: the wall time of ``train_steps(1, processes=2)`` minus one step's time (the
@@ -50,25 +55,42 @@ def train_step(*, model: torch.nn.Module, extern_data: Any, **_: Any) -> None:
     kit.get_run_ctx().mark_as_loss(ce, "ce", mask=classes.mask())
 
 
-def session(args: argparse.Namespace, folder: str) -> kit.Session:
+def session(args: argparse.Namespace, folder: str, max_seqs: int) -> kit.Session:
     hidden = args.hidden
     return kit.Session(get_model=lambda **_: MLP(hidden), train_step=train_step,
                        extern_data=Task12AXDataset.extern_data,
-                       train=Task12AXDataset(args.seqs, seed=1, seq_ordering="random"),
-                       batch_size=100_000, max_seqs=10, optimizer={"class": "adam"}, learning_rate=1e-3,
-                       num_epochs=args.epochs + 2, model=f"{folder}/model", live=False)
+                       train=Task12AXDataset(args.batches * max_seqs, seed=1, seq_ordering=f"laplace:.{max_seqs}"),
+                       batch_size=100_000, max_seqs=max_seqs, optimizer={"class": "adam"}, learning_rate=1e-3,
+                       num_epochs=args.epochs + 3, model=f"{folder}/model", live=False)
 
 
-def throughput(s: kit.Session, processes: int, epochs: int) -> tuple[float, float]:
-    """Batches per second of the warm epochs, and one rank's seconds per step."""
-    s.train_epoch(processes=processes)  # set-up (and the workers' start)
-    started = time.perf_counter()
+def epoch_secs(s: kit.Session, processes: int) -> tuple[float, int]:
+    """Wall seconds of one train_epoch call, and the batches it trained (all ranks)."""
     steps0 = s.progress.global_train_step
-    for _ in range(epochs - 1):
-        s.train_epoch(processes=processes)
-    seconds = time.perf_counter() - started
-    steps = s.progress.global_train_step - steps0
-    return steps * processes / seconds, seconds / steps
+    started = time.perf_counter()
+    s.train_epoch(processes=processes)
+    return time.perf_counter() - started, (s.progress.global_train_step - steps0) * processes
+
+
+def throughput(args: argparse.Namespace, folder: str, max_seqs: int) -> tuple[float, float, kit.Session]:
+    """Batches per second of 1 process and of 2 workers, their warm epochs interleaved (a change of the
+    machine's load hits both alike); the 2-worker session is returned open (for the per-call cost)."""
+    threads = torch.get_num_threads()
+    two = session(args, f"{folder}/two-{max_seqs}", max_seqs)
+    two.train_epoch(processes=2)  # set-up, the workers' start (each gets threads // 2)
+    torch.set_num_threads(1)  # the single process: one thread, as each worker
+    try:
+        with session(args, f"{folder}/one-{max_seqs}", max_seqs) as one:
+            one.train_epoch(processes=1)
+            totals = {1: [0.0, 0], 2: [0.0, 0]}
+            for _ in range(args.epochs):
+                for n, s in ((1, one), (2, two)):
+                    secs, batches = epoch_secs(s, n)
+                    totals[n][0] += secs
+                    totals[n][1] += batches
+    finally:
+        torch.set_num_threads(threads)
+    return totals[1][1] / totals[1][0], totals[2][1] / totals[2][0], two
 
 
 def event_log_cost() -> float:
@@ -91,42 +113,46 @@ def event_log_cost() -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=int, default=2, help="epochs timed per run (the first is a warm-up)")
-    parser.add_argument("--seqs", type=int, default=400, help="train sequences (10 per batch)")
+    parser.add_argument("--epochs", type=int, default=2, help="epochs timed per run (after an untimed one)")
+    parser.add_argument("--batches", type=int, default=40, help="train batches per epoch")
+    parser.add_argument("--max-seqs", default="40,10", help="sequences per batch, one row each (comma-separated)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--calls", type=int, default=5, help="one-step calls timed for the per-call cost")
     add_write_flag(parser)
     args = parser.parse_args()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the single process: one thread, as each worker
-    with tempfile.TemporaryDirectory() as folder:
-        with session(args, f"{folder}/one") as one:
-            single, _ = throughput(one, 1, args.epochs + 1)
-        torch.set_num_threads(threads)  # the workers get threads // 2 each
-        with session(args, f"{folder}/two") as two:
-            double, _ = throughput(two, 2, args.epochs + 1)
-            startup = kit.multiproc.startup_secs(two) or float("nan")
-            calls, steps = [], []
-            for _ in range(args.calls):
-                started = time.perf_counter()
-                result = two.train_steps(1, processes=2)
-                calls.append(time.perf_counter() - started)
-                steps.append(result.last_step.seconds if result.last_step is not None else 0.0)
-    per_call = statistics.median(c - s for c, s in zip(calls, steps))
-    step_secs = statistics.median(steps)
-    log = event_log_cost()
-    print(f"throughput, 1 process: {single:.2f} batches/s; 2 workers: {double:.2f} batches/s "
-          f"({double / single:.2f}x; hidden {args.hidden}, {args.seqs // 10} batches per epoch)")
-    print(f"worker start-up: {startup:.1f} s; per call: {per_call * 1e3:.0f} ms over one step's {step_secs * 1e3:.0f} ms")
-    print(f"event log per step: {log * 1e6:.2f} µs ({log / 0.5e-3:.2%} of a 0.5 ms step)")
     table = Table("measure", "value", "target")
-    table.add("throughput, 2 workers / 1 process", f"{double / single:.2f}x ({double:.2f} vs {single:.2f} batches/s)",
-              ">= 1.7x")
+    with tempfile.TemporaryDirectory() as folder:
+        for i, max_seqs in enumerate(int(v) for v in args.max_seqs.split(",")):
+            single, double, two = throughput(args, folder, max_seqs)
+            with two:
+                print(f"throughput, {max_seqs} seqs per batch: 1 process {single:.2f} batches/s; 2 workers "
+                      f"{double:.2f} batches/s ({double / single:.2f}x)")
+                table.add(f"throughput, 2 workers / 1 process, {max_seqs} seqs per batch",
+                          f"{double / single:.2f}x ({double:.2f} vs {single:.2f} batches/s)",
+                          ">= 1.7x" if i == 0 else "")
+                if i == 0:
+                    per_call_rows(two, args, table)
+    log = event_log_cost()
+    print(f"event log per step: {log * 1e6:.2f} µs ({log / 0.5e-3:.2%} of a 0.5 ms step)")
+    table.add("event log, per step of a CLI run", f"{log * 1e6:.2f} µs", "<= 1 % of a step")
+    publish(args, "processes", table, notes=f"MLP hidden {args.hidden}, {args.batches} batches per epoch, "
+            f"{args.epochs} timed epochs each, interleaved; the single process with one torch thread, each "
+            "worker with its share")
+
+
+def per_call_rows(two: kit.Session, args: argparse.Namespace, table: Table) -> None:
+    """Worker start-up, and what a call costs beyond its one step (the state stays with the workers)."""
+    startup = kit.multiproc.startup_secs(two) or float("nan")
+    calls, steps = [], []
+    for _ in range(args.calls):
+        started = time.perf_counter()
+        result = two.train_steps(1, processes=2)
+        calls.append(time.perf_counter() - started)
+        steps.append(result.last_step.seconds if result.last_step is not None else 0.0)
+    per_call, step_secs = statistics.median(c - s for c, s in zip(calls, steps)), statistics.median(steps)
+    print(f"worker start-up: {startup:.1f} s; per call: {per_call * 1e3:.0f} ms over one step's {step_secs * 1e3:.0f} ms")
     table.add("worker start-up", f"{startup:.1f} s", "")
     table.add("per call, beyond its step", f"{per_call * 1e3:.0f} ms (one step: {step_secs * 1e3:.0f} ms)", "")
-    table.add("event log, per step of a CLI run", f"{log * 1e6:.2f} µs", "<= 1 % of a step")
-    publish(args, "processes", table, notes=f"MLP hidden {args.hidden}, {args.seqs // 10} batches per epoch, "
-            f"{args.epochs} timed epochs; the single process with one torch thread, each worker with its share")
 
 
 if __name__ == "__main__":
