@@ -232,6 +232,44 @@ def test_attach_follows_a_cli_run_and_pauses_it(tmp_path: Path) -> None:
     assert not Path(f"{prefix}.request").exists()
 
 
+def test_attach_pauses_a_torchrun_job_on_every_rank_at_one_step(tmp_path: Path) -> None:
+    """Under torchrun the ranks read the request together (one all-reduce every DIST_POLL_STEPS steps): every
+    rank finishes the same step, rank 0 writes the step checkpoint, each rank exits as after SIGUSR1, and the
+    next torchrun run continues from that checkpoint to the end."""
+    from kit.eventlog import DIST_POLL_STEPS
+
+    prefix = tmp_path / "job" / "model"
+    env = {**_env(), "KIT_PROCS_STEP_SLEEP": "0.05"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "kit", "train",
+           str(CONFIG), f"model={prefix}", "num_epochs=8", "log_every_n_steps=1", "torch_distributed={}"]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run = kit.attach(prefix)
+        deadline = time.monotonic() + 120
+        while len(run.history) < 8 and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # past the first epoch (6 steps per rank)
+        assert run.running, run.status
+        run.pause()
+        assert run.wait(timeout=120).startswith("paused")
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    out = (job.stdout.read() if job.stdout else "") + (job.stderr.read() if job.stderr else "")
+    assert job.returncode != 0 and out.count("exitcode  : 138") == 2, out[-3000:]  # torchrun lists each rank's exit
+    stopped = next(e for e in run.events if e["event"] == "request")
+    assert stopped["global_train_step"] % DIST_POLL_STEPS == 0  # read at a poll step, by both ranks at once
+    saved = run.events[-2]
+    assert saved["event"] == "checkpoint" and saved["kind"] == "step"
+    assert saved["global_train_step"] == stopped["global_train_step"] + 1 < 8 * 6  # mid-run, one step later
+    assert [e["global_train_step"] for e in run.events if e["event"] == "step"] == list(range(saved["global_train_step"]))
+    assert not Path(f"{prefix}.request").exists()
+    _cli(tmp_path, prefix, 8, 2)  # torchrun again: continues from the step checkpoint
+    run.refresh()
+    assert run.status == "done" and [e["epoch"] for e in run.events if e["event"] == "epoch_end"][-1] == 8
+    assert [e["kind"] for e in run.events if e["event"] == "checkpoint"][-1] == "epoch"
+
+
 def test_what_processes_refuses_before_starting_workers(tmp_path: Path) -> None:
     with _session(tmp_path / "r" / "model") as session:
         for bad in (0, -1, 2.0, True):
