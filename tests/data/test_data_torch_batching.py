@@ -169,3 +169,16 @@ def test_packed_batch_size_per_split_and_packed_batch_cost():
     assert all(c <= 300 or len(b) == 1 for c, b in zip(cells, plan_of(pipe))) and max(cells) > 200
     with pytest.raises(kit.ConfigError, match=r"explicit packed_batch_size entry"):
         Pipeline.from_config(ds, kit.Config(dict(packed_batch_cost=cost, packed_batch_size=300)), train=True).set_epoch(1)
+
+
+def test_ddp_ranks_share_the_batchers_batches_as_kits_own():
+    from kit.engine.distributed import _sharded_pipeline_class
+
+    one = Pipeline(data(), torch_batching=SeqsOfTwo)
+    one.set_epoch(1)
+    ranks = []
+    for rank in (0, 1):
+        pipe = _sharded_pipeline_class()(data(), shard=(rank, 2, True), torch_batching=SeqsOfTwo)
+        pipe.set_epoch(1)
+        ranks.append(plan_of(pipe))
+    assert ranks[0] == plan_of(one)[0::2] and ranks[1] == plan_of(one)[1::2]
