@@ -104,7 +104,8 @@ class Pipeline:
             raise ConfigError(problems)
         self.batch_size, self.max_seqs = opts.batch_size, opts.max_seqs
         self.packed_batch_size, self.packed_batch_cost = opts.packed_batch_size, opts.packed_batch_cost
-        if self.packed_batch_size is not None and (callable(self.batch_size) or callable(self.max_seqs)):
+        if (self.packed_batch_size is not None and opts.torch_batching is None
+                and (callable(self.batch_size) or callable(self.max_seqs))):
             raise ConfigError("'packed_batch_size' together with a callable 'batch_size' or 'max_seqs' is not "
                               "supported: give batch_size/max_seqs as numbers, or drop packed_batch_size")
         self._batcher = None

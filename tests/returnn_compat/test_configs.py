@@ -150,7 +150,7 @@ def test_returnn_keys_doc_is_generated_and_fresh():
             assert name not in KEYS, name
 
 
-@pytest.mark.parametrize("name", ["batching", "torch_batching", "chunking_variance"])  # torch_profile: a kit key now
+@pytest.mark.parametrize("name", ["batching", "context_window", "chunking_variance"])  # torch_profile, torch_batching: kit keys now
 def test_returnn_only_keys_are_not_kit_keys(name):
     assert name not in KEYS and name in RETURNN_KEYS
 
