@@ -303,7 +303,8 @@ def _packed_columns(
         if missing:
             raise ConfigError(f"packed_batch_cost {missing} needs an explicit packed_batch_size entry of that name "
                               f"(a dict), got packed_batch_size={packed_batch_size!r}")
-        size = {k: v for k, v in size.items() if k not in costs}
+    if isinstance(size, Mapping):  # RETURNN's: entries that name no time key bound nothing (a cost of the other split)
+        size = {k: v for k, v in size.items() if k in lens}
     sums: list[tuple[list[Any], Any]] = [
         (lens[k].astype(np.int64).tolist(), lim) for k, lim in per_key(size, list(lens), "packed_batch_size").items()
     ] if size is not None else []

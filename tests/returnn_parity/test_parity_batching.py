@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from kit.scores import parse_returnn_lr_file
@@ -73,9 +74,15 @@ def test_a_callable_torch_batching_trains_as_in_returnn(tmp_path):
 
 
 @needs_returnn
-def test_packed_batch_size_train_and_dev_as_in_returnn(tmp_path):
-    steps = _same_run(tmp_path, "\npacked_batch_size = 1000\npacked_batch_size_train = 25\npacked_batch_size_dev = 15\n")
-    assert len(steps.splitlines()) > 2 * 24 // 4  # more than max_seqs alone gives: the train budget binds
+@pytest.mark.parametrize("keys", [
+    "packed_batch_size = 1000\npacked_batch_size_train = 25\npacked_batch_size_dev = 15",
+    # a cost no single length bounds (frames times labels), only for training (a function RETURNN can pickle)
+    "def cells(lengths):\n    return lengths['data'] * lengths['classes']\n\n\n"
+    "packed_batch_size = {'cells': 300, 'data': 1000}\npacked_batch_cost_train = {'cells': cells}",
+])
+def test_packed_batch_size_per_split_and_packed_batch_cost_as_in_returnn(tmp_path, keys):
+    steps = _same_run(tmp_path, "\n" + keys + "\n")
+    assert len(steps.splitlines()) > 2 * 24 // 4  # more than max_seqs alone gives: the budget binds
 
 
 @needs_returnn
