@@ -182,3 +182,27 @@ def test_ddp_ranks_share_the_batchers_batches_as_kits_own():
         pipe.set_epoch(1)
         ranks.append(plan_of(pipe))
     assert ranks[0] == plan_of(one)[0::2] and ranks[1] == plan_of(one)[1::2]
+
+
+def test_the_batcher_gets_the_chunks_after_the_length_filter_as_in_returnn():
+    seen: list[dict] = []
+
+    class Note(SeqsOfTwo):
+        def __iter__(self):
+            for batch in super().__iter__():
+                seen.extend(batch)
+                yield batch
+
+    ds = data(30)
+    pipe = Pipeline(ds, torch_batching=Note, chunking=(5, 3), min_seq_length=30, train=True)
+    pipe.set_epoch(1)
+    order = ds.seq_order_array(1).tolist()
+    kept = [i for i in order if ds.get_seq_length(i)["data"] >= 30]
+    assert 0 < len(kept) < len(order)  # the filter removed some: the stream skips them
+    tags = list(dict.fromkeys(str(s["seq_tag"]) for s in seen))
+    assert tags == [ds.get_seq_tag(i) for i in kept]  # chunks in order, each sequence's in a row
+    first = [s for s in seen if str(s["seq_tag"]) == tags[0]]
+    full = ds.get_seq(kept[0])["data"]
+    assert [s["data"].shape[0] for s in first] == [min(5, len(full) - a) for a in range(0, len(full), 3)]
+    np.testing.assert_array_equal(first[1]["data"], full[3:8])
+    assert {int(s["seq_idx"]) for s in first} == {order.index(kept[0])}  # chunks keep their sequence's seq_idx
