@@ -103,12 +103,6 @@ _OTHER: list[ReturnnKey] = [
     _u("output_file"),
     _u("output_per_seq_file_format"),
     _u("output_per_seq_format"),
-    _u("packed_batch_cost"),
-    _u("packed_batch_cost_dev", "packed_batch_cost for evaluation"),
-    _u("packed_batch_cost_train", "packed_batch_cost for training"),
-    _u("packed_batch_size"),
-    _u("packed_batch_size_dev", "packed_batch_size for evaluation"),
-    _u("packed_batch_size_train", "packed_batch_size for training"),
     _u("packed_fallback_allowed"),
     _u("pretrain_learning_rate"),
     _u("reset_dev_memory_caches"),
@@ -132,7 +126,6 @@ _OTHER: list[ReturnnKey] = [
     _u("stop_for_resubmission_safety_factor"),
     _u("stop_for_resubmission_when_low_time_left"),
     _u("target"),
-    _u("torch_batching", "a class of RETURNN's own DataPipe batching (it streams sequence dicts); kit plans its batches itself, with batch_size, max_seqs and packed_batch_size"),
     _u("torch_cuda_graph"),
     _u("torch_dataloader_shard_workers"),
     _u("torch_optimizer_step"),
@@ -159,9 +152,11 @@ _SAME = (
     "load_model_post_hooks log_verbosity max_seq_length min_chunk_size min_learning_rate min_seq_length model "
     "model_outputs newbob_error_threshold newbob_learning_rate_decay newbob_learning_rate_growth "
     "newbob_multi_num_epochs newbob_multi_update_interval newbob_relative_error_div_by_old "
-    "newbob_relative_error_grow_threshold newbob_relative_error_threshold num_epochs optimizer preload_from_files "
+    "newbob_relative_error_grow_threshold newbob_relative_error_threshold num_epochs optimizer packed_batch_cost "
+    "packed_batch_cost_dev packed_batch_cost_train packed_batch_size packed_batch_size_dev packed_batch_size_train "
+    "preload_from_files "
     "random_seed save_interval start_epoch stop_on_nonfinite_train_score task torch_amp torch_dataloader_opts "
-    "torch_distributed torch_log_memory_usage train train_step use_tensorboard tensorboard_opts"
+    "torch_batching torch_distributed torch_log_memory_usage train train_step use_tensorboard tensorboard_opts"
 ).split()
 
 RETURNN_KEYS: dict[str, ReturnnKey] = {k.name: k for k in _OTHER}

@@ -233,6 +233,18 @@ def lr_control_spec(v: Any) -> str | None:
     return one_of("constant", "newbob", "newbob_rel", "newbob_abs", "newbob_multi_epoch")(v)
 
 
+def _torch_batching_spec(v: Any) -> str | None:
+    if v is None or callable(v) or (isinstance(v, dict) and isinstance(v.get("class"), str)):
+        return None
+    return "a callable f(dataset, *, train, **kwargs) -> IterableDataset of batches, or {'class': name, ...}"
+
+
+def _packed_cost_spec(v: Any) -> str | None:
+    if v is None or (isinstance(v, dict) and v and all(isinstance(k, str) and callable(f) for k, f in v.items())):
+        return None
+    return "a dict name -> f(lengths) -> cost (the name also a packed_batch_size entry)"
+
+
 def _online_shuffle_spec(v: Any) -> str | None:
     size = v.get("buffer_size") if isinstance(v, dict) and set(v) <= {"buffer_size"} else v
     if v is None or (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
@@ -366,6 +378,12 @@ _KEYS: list[Key] = [
     _k("data", "batch_size_dev", "int | dict | callable", None, "batch_size for evaluation and forwarding (RETURNN's); unset: batch_size", batch_limit(int_or_per_key())),
     _k("data", "max_seqs", "int | callable", None, "maximum number of sequences per batch; a callable as for batch_size", batch_limit(optional_positive_int)),
     _k("data", "packed_batch_size", "int | dict", None, "RETURNN's: also bound each batch's summed sequence lengths (no padding), per key or for all keys; both limits apply", int_or_per_key()),
+    _k("data", "packed_batch_size_train", "int | dict", None, "packed_batch_size for training only (RETURNN's); unset: packed_batch_size", int_or_per_key()),
+    _k("data", "packed_batch_size_dev", "int | dict", None, "packed_batch_size for evaluation and forwarding (RETURNN's); unset: packed_batch_size", int_or_per_key()),
+    _k("data", "packed_batch_cost", "dict", None, "RETURNN's: name -> f(lengths) -> cost per sequence (lengths: a dict key -> length); a batch's summed cost stays within packed_batch_size[name]", _packed_cost_spec),
+    _k("data", "packed_batch_cost_train", "dict", None, "packed_batch_cost for training only (RETURNN's); unset: packed_batch_cost", _packed_cost_spec),
+    _k("data", "packed_batch_cost_dev", "dict", None, "packed_batch_cost for evaluation and forwarding (RETURNN's); unset: packed_batch_cost", _packed_cost_spec),
+    _k("data", "torch_batching", "callable | dict", None, "RETURNN's: a batcher f(dataset, *, train, **kwargs) over the epoch's streamed sequence dicts (after length filter and chunking) returning an IterableDataset of lists of them, or {'class': <returnn.torch.data.pipeline class>, ...}; replaces batch_size, max_seqs and packed_batch_*; run once per epoch when it is planned (each sequence read once more), see kit/data/custom_batching.py", _torch_batching_spec),
     _k("data", "sort_dataset", "bool", True, "RETURNN's: forward runs the data longest first (sorted_reverse); False keeps the dataset's own order", boolean),
     _k("data", "min_seq_length", "int | dict", None, "drop sequences shorter than this (per key or all keys)", int_or_per_key()),
     _k("data", "max_seq_length", "int | dict", None, "drop sequences longer than this (per key or all keys)", int_or_per_key()),

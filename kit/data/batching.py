@@ -256,11 +256,14 @@ def plan_batches(
     batch_size: int | Mapping[str, int] | None,
     max_seqs: int | None = None,
     packed_batch_size: int | Mapping[str, int] | None = None,
+    packed_batch_cost: Mapping[str, Any] | None = None,
 ) -> list[tuple[int, int]]:
     """Greedy, order-keeping batches as ``[start, end)`` ranges over the entries.
 
     ``packed_batch_size`` (RETURNN's): also ``sum of lengths including it <= packed_batch_size`` per key
-    (no padding counted).
+    (no padding counted). ``packed_batch_cost`` (RETURNN's): name -> ``f(lengths)``, a cost per entry
+    (``lengths``: the entry's length per key, a dict) whose sum over the batch stays within
+    ``packed_batch_size[name]``; names are not data keys.
 
     An entry joins the current batch while, for every key with a limit,
     ``max length including it × (n + 1) <= batch_size`` (padding counts) and the batch
@@ -276,15 +279,41 @@ def plan_batches(
     cols = [(np.max(np.stack([lens[k] for k in ks]), axis=0).astype(np.int64), lim) for lim, ks in by_limit.items()]
     if num_entries == 0:
         return []
-    if packed_batch_size is not None:
-        sums = [(lens[k].astype(np.int64).tolist(), lim) for k, lim in
-                per_key(packed_batch_size, list(lens), "packed_batch_size").items()]
+    if packed_batch_size is not None or packed_batch_cost:
+        sums = _packed_columns(lens, num_entries, packed_batch_size, packed_batch_cost)
         return _greedy_loop_packed([(col.tolist(), lim) for col, lim in cols], sums, num_entries, max_seqs)
     if all(int(col.max()) * min(max_seqs, num_entries) <= lim for col, lim in cols):
         return _fixed_size(num_entries, max_seqs)  # no frame budget binds
     if len(cols) == 1:  # a plain loop: a few tens of ns per entry, cheaper than numpy calls per batch
         return _greedy_loop_one(cols[0][0].tolist(), cols[0][1], num_entries, max_seqs)
     return _greedy_loop([(col.tolist(), lim) for col, lim in cols], num_entries, max_seqs)
+
+
+def _packed_columns(
+    lens: Mapping[str, np.ndarray], num_entries: int, packed_batch_size: Any, packed_batch_cost: Mapping[str, Any] | None
+) -> list[tuple[list[Any], Any]]:
+    """(per-entry value, budget) columns of the summed-length limits, then of the ``packed_batch_cost`` costs."""
+    costs = dict(packed_batch_cost or {})
+    bad = [k for k, f in costs.items() if not callable(f)]
+    if bad:
+        raise ConfigError(f"packed_batch_cost: {bad} must map to functions f(lengths) -> cost")
+    size: Any = packed_batch_size
+    if costs:
+        missing = [k for k in costs if not isinstance(size, Mapping) or k not in size]
+        if missing:
+            raise ConfigError(f"packed_batch_cost {missing} needs an explicit packed_batch_size entry of that name "
+                              f"(a dict), got packed_batch_size={packed_batch_size!r}")
+    if isinstance(size, Mapping):  # RETURNN's: entries that name no time key bound nothing (a cost of the other split)
+        size = {k: v for k, v in size.items() if k in lens}
+    sums: list[tuple[list[Any], Any]] = [
+        (lens[k].astype(np.int64).tolist(), lim) for k, lim in per_key(size, list(lens), "packed_batch_size").items()
+    ] if size is not None else []
+    if costs:
+        cols = {k: v.tolist() for k, v in lens.items()}
+        per_entry = [{k: c[j] for k, c in cols.items()} for j in range(num_entries)]
+        for name, fn in costs.items():
+            sums.append(([fn(seq) for seq in per_entry], packed_batch_size[name]))  # type: ignore[index]
+    return sums
 
 
 def plan_batches_by_seq(

@@ -45,6 +45,8 @@ class PipelineOptions:
     prefetch: int
     pin_memory: bool = False
     packed_batch_size: int | Mapping[str, int] | None = None  # RETURNN's: a budget of summed lengths
+    packed_batch_cost: Mapping[str, Any] | None = None  # RETURNN's: name -> f(lengths), bounded by packed_batch_size
+    torch_batching: Any = None  # RETURNN's: a batcher over the streamed sequences (kit.data.custom_batching)
 
     @classmethod
     def read(cls, config: Config | Mapping[str, Any] | None = None, *, train: bool = True) -> PipelineOptions:
@@ -66,7 +68,9 @@ class PipelineOptions:
             dataloader_opts=loader_opts,
             prefetch=int(cfg.typed_value("data_prefetch")),
             pin_memory=_pins(cfg.typed_value("device")),
-            packed_batch_size=cfg.typed_value("packed_batch_size"),
+            packed_batch_size=_per_split(cfg, "packed_batch_size", train),
+            packed_batch_cost=_per_split(cfg, "packed_batch_cost", train),
+            torch_batching=cfg.typed_value("torch_batching"),
         )
 
     def replace(self, **changes: Any) -> PipelineOptions:
@@ -97,6 +101,13 @@ def _batch_size(config: Config, train: bool) -> Any:
     ``batch_size``: RETURNN's choice."""
     own = config.typed_value("batch_size_train" if train else "batch_size_dev")
     return own if own is not None else config.typed_value("batch_size")
+
+
+def _per_split(config: Config, name: str, train: bool) -> Any:
+    """``<name>_train`` (training) or ``<name>_dev`` (evaluation, forwarding) when set, else ``name``
+    (RETURNN's rule for ``packed_batch_size`` and ``packed_batch_cost``)."""
+    own = config.typed_value(f"{name}_train" if train else f"{name}_dev")
+    return own if own is not None else config.typed_value(name)
 
 
 def _pins(device: Any) -> bool:

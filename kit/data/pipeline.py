@@ -103,10 +103,16 @@ class Pipeline:
         if problems:
             raise ConfigError(problems)
         self.batch_size, self.max_seqs = opts.batch_size, opts.max_seqs
-        self.packed_batch_size = opts.packed_batch_size
-        if self.packed_batch_size is not None and (callable(self.batch_size) or callable(self.max_seqs)):
+        self.packed_batch_size, self.packed_batch_cost = opts.packed_batch_size, opts.packed_batch_cost
+        if (self.packed_batch_size is not None and opts.torch_batching is None
+                and (callable(self.batch_size) or callable(self.max_seqs))):
             raise ConfigError("'packed_batch_size' together with a callable 'batch_size' or 'max_seqs' is not "
                               "supported: give batch_size/max_seqs as numbers, or drop packed_batch_size")
+        self._batcher = None
+        if opts.torch_batching is not None:  # RETURNN's: the batcher replaces batch_size, max_seqs, packed_*
+            from kit.data.custom_batching import make_batcher
+
+            self._batcher = make_batcher(opts.torch_batching, train=train)
         self.min_seq_length, self.max_seq_length = opts.min_seq_length, opts.max_seq_length
         self.chunking = opts.chunking if (train or opts.chunking_in_eval) else None
         check_chunking = KEYS["chunking"].check
@@ -225,18 +231,27 @@ class Pipeline:
         if not len(order):
             raise DataError(f"dataset {name}: epoch {epoch} has no sequences (partition_epoch / seq_indices)")
         entries = self._plan_entries(order, epoch, name)
-        lens = batching.span_lengths(entries.seq_idx, entries.spans, self._seq_lengths())
-        if callable(self.batch_size) or callable(self.max_seqs):  # RETURNN's limits per sequence
-            ranges = batching.plan_batches_by_seq(lens, entries.seq_idx, order, epoch, self.batch_size, self.max_seqs)
+        if self._batcher is not None:  # the user's batcher, on this thread (see kit.data.custom_batching)
+            from kit.data import custom_batching
+
+            stream = custom_batching.SequenceStream(self.dataset, entries, order, epoch)
+            entries, ranges, self._fracs = custom_batching.plan(self._batcher, stream, name)
         else:
-            ranges = batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs,
-                                            self.packed_batch_size)
-        # complete_frac by position: it stays in order when the batches are shuffled (as in RETURNN)
-        self._fracs = batching.complete_fracs(order, entries.seq_idx, ranges)
+            ranges = self._plan_ranges(entries, order, epoch)
+            # complete_frac by position: it stays in order when the batches are shuffled (as in RETURNN)
+            self._fracs = batching.complete_fracs(order, entries.seq_idx, ranges)
         if self.shuffle_buffer is not None:
             ranges = batching.shuffle_in_blocks(ranges, self.shuffle_buffer, self.random_seed * 1_000_003 + epoch)
         self._entries, self._ranges = entries, ranges
         self.epoch, self.position = epoch, 0
+
+    def _plan_ranges(self, entries: batching.EpochEntries, order: np.ndarray, epoch: int) -> list[tuple[int, int]]:
+        """kit's greedy batches over ``entries`` (``batch_size``, ``max_seqs``, ``packed_batch_size`` / ``_cost``)."""
+        lens = batching.span_lengths(entries.seq_idx, entries.spans, self._seq_lengths())
+        if callable(self.batch_size) or callable(self.max_seqs):  # RETURNN's limits per sequence
+            return batching.plan_batches_by_seq(lens, entries.seq_idx, order, epoch, self.batch_size, self.max_seqs)
+        return batching.plan_batches(lens, len(entries), self.batch_size, self.max_seqs, self.packed_batch_size,
+                                     self.packed_batch_cost)
 
     def _plan_entries(self, order: np.ndarray, epoch: int, name: str) -> batching.EpochEntries:
         """``order`` filtered by length and cut into chunks, with numpy operations over the whole epoch."""

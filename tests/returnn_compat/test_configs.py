@@ -68,13 +68,13 @@ def test_loading_a_config_leaves_no_returnn_stand_in_behind(tmp_path):
 
 def test_unsupported_returnn_keys_are_named_in_one_warning(tmp_path, caplog):
     path = tmp_path / "c.config"
-    path.write_text("forward_batch_size = 10\ntorch_batching = dict\nbackend = 'torch'\nbatching = 'sorted'\n"
+    path.write_text("forward_batch_size = 10\nwindow = 3\nbackend = 'torch'\nbatching = 'sorted'\n"
                     "train = {'class': 'Task12AXDataset', 'num_seqs': 5}\nmax_seqs = -1\n")
     with caplog.at_level(logging.WARNING, logger="kit"):
         config = kit.Config.from_file(path)
     warnings = [r.getMessage() for r in caplog.records if "not supported by kit" in r.getMessage()]
     assert len(warnings) == 1
-    assert "'forward_batch_size'" in warnings[0] and "'torch_batching'" in warnings[0]
+    assert "'forward_batch_size'" in warnings[0] and "'window'" in warnings[0]
     assert "backend" not in warnings[0]  # 'torch': no effect, nothing to warn about
     assert config.typed_value("train")["seq_ordering"] == "sorted"  # RETURNN's batching
     assert config.typed_value("max_seqs") is None  # RETURNN's -1: no limit
@@ -150,7 +150,7 @@ def test_returnn_keys_doc_is_generated_and_fresh():
             assert name not in KEYS, name
 
 
-@pytest.mark.parametrize("name", ["batching", "torch_batching", "chunking_variance"])  # torch_profile: a kit key now
+@pytest.mark.parametrize("name", ["batching", "context_window", "chunking_variance"])  # torch_profile, torch_batching: kit keys now
 def test_returnn_only_keys_are_not_kit_keys(name):
     assert name not in KEYS and name in RETURNN_KEYS
 

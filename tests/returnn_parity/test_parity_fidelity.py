@@ -258,8 +258,10 @@ def test_batch_size_dev_and_train_as_in_returnn(caplog):
     config = kit.Config(batch_size=500, batch_size_train=70)
     assert Pipeline.from_config(data, config, train=True).batch_size == 70
     with caplog.at_level("WARNING", logger="kit"):
-        kit.Config(packed_batch_size_dev=100)
-    assert any("'packed_batch_size_dev'" in r.getMessage() for r in caplog.records)  # ignored, but said so
+        config = kit.Config(packed_batch_size=100, packed_batch_size_dev=30)
+    assert not any("packed_batch_size" in r.getMessage() for r in caplog.records)  # supported now
+    assert Pipeline.from_config(data, config, train=False).packed_batch_size == 30
+    assert Pipeline.from_config(data, config, train=True).packed_batch_size == 100
 
 
 def test_old_optimizer_states_deleted_as_returnn_deletes_them(tmp_path):
