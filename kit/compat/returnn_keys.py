@@ -68,7 +68,6 @@ _OTHER: list[ReturnnKey] = [
     _n("sprint_trainer_exec_path", "RASR/Sprint training", None),
     _u("PYTORCH_CUDA_ALLOC_CONF"),
     _n("__debug_dummy_distributed_rank_and_size", "RETURNN's own test hook (returnn/datasets/basic.py: a faked (rank, size) for its dataset sharding tests); kit's ranks come from torchrun", None),
-    _u("allow_skipping_seqs_in_forward"),
     _u("analyze_dataset", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data: dataset statistics files); kit has no such task (`python -m kit` has train / eval / forward / scores / checkpoints)'),
     _u("cache_size", "RETURNN's HDF cache budget (returnn/__main__.py get_cache_byte_sizes, passed to RETURNN's own HDFDataset as cache_byte_size); kit's HDFDataset reads sequences on demand and has no cache budget yet"),
     _u("calculate_exp_loss"),
@@ -78,7 +77,7 @@ _OTHER: list[ReturnnKey] = [
     _u("combine_labels", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend)"),
     _n("context_window", "a RETURNN Dataset default (returnn/datasets/basic.py) used only by Dataset._iterate_seqs, the TF engine's chunking; RETURNN's torch engine chunks in returnn/torch/data/pipeline.py, which ignores it", None),
     _u("data_key", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data) and TF networks; kit has no such task'),
-    _u("dataset_random_seed_offset"),
+    _t("dataset_random_seed_offset", "the random_seed_offset of every dataset dict (train, dev, eval, eval_datasets, forward_data) of a kit or RETURNN class that sets none, as RETURNN's Dataset default; dataset objects and custom classes keep their own"),
     _u("dry_run"),
     _u("dummy_dataset_num_seqs", "RETURNN's use_dummy_datasets (returnn/__main__.py setup_dummy_datasets: DummyGenericDataset from extern_data); kit does not replace datasets by dummies yet"),
     _u("epoch", "RETURNN's task='eval' (returnn/__main__.py: the epoch to evaluate, set as load_epoch) and its analyze_data task; kit's eval takes load_epoch"),
@@ -89,7 +88,6 @@ _OTHER: list[ReturnnKey] = [
     _u("forward_batch_size", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend); the torch engine forwards with batch_size / batch_size_dev"),
     _u("forward_use_search", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend)"),
     _u("gpu_local_cpu_affinity", "RETURNN (returnn/torch/util/gpu_cpu_affinity.py, default True) pins its process to the CPUs local to its GPU (Linux sysfs); kit does not pin yet"),
-    _u("grad_clip"),
     _u("inf_value", "read by RETURNN's frontend backends (get_global_inf_value) from RETURNN's global config, which kit does not set: an rf model under kit uses float('inf')"),
     _u("ipython", "RETURNN's own process: returnn/__main__.py starts an IPython kernel beside training; kit runs in Jupyter itself"),
     _u("log", "RETURNN's own log files (returnn/log.py); kit logs through Python's logging (the CLI to stderr), the run's event log and the trackers"),
@@ -119,7 +117,6 @@ _OTHER: list[ReturnnKey] = [
     _u("search_output_layer", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search() (output layers of a net dict)"),
     _u("shuffle_frames_of_nseqs", "a RETURNN Dataset default for training (returnn/datasets/basic.py load_seqs: frames shuffled across n sequences, implemented by its CachedDataset/GeneratingDataset/Sprint); kit's datasets do not shuffle frames yet"),
     _u("sort_dataset"),
-    _u("start_batch"),
     _u("startup_callback"),
     _u("statistics", "RETURNN's task='analyze' (returnn/__main__.py): only RETURNN's TF engine has analyze(); kit has no such task"),
     _u("statistics_dtype", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data); kit has no such task'),
@@ -177,6 +174,25 @@ def _seq_ordering_for_train(value: Any, get: Callable[[str], Any]) -> dict[str, 
     return {"seq_ordering": value}
 
 
+_DATASET_KEYS = ("train", "dev", "eval", "forward_data")
+
+
+def _seed_offset_for_datasets(value: Any, get: Callable[[str], Any]) -> dict[str, Any]:
+    """RETURNN's ``dataset_random_seed_offset``: the default ``random_seed_offset`` of its datasets."""
+    if not value:
+        return {}
+
+    def with_offset(spec: Any) -> Any:
+        named = isinstance(spec, Mapping) and isinstance(spec.get("class"), str) and "." not in spec["class"]
+        return {**spec, "random_seed_offset": int(value)} if named and "random_seed_offset" not in spec else spec
+
+    updates = {k: with_offset(get(k)) for k in _DATASET_KEYS if with_offset(get(k)) is not get(k)}
+    evals = get("eval_datasets")
+    if isinstance(evals, Mapping) and any(with_offset(v) is not v for v in evals.values()):
+        updates["eval_datasets"] = {name: with_offset(v) for name, v in evals.items()}
+    return updates
+
+
 def translate(values: Mapping[str, Any], get: Callable[[str], Any]) -> tuple[dict[str, Any], list[str]]:
     """RETURNN-only keys of ``values`` rewritten into kit keys; the names of unsupported ones.
 
@@ -192,7 +208,9 @@ def translate(values: Mapping[str, Any], get: Callable[[str], Any]) -> tuple[dic
         key = RETURNN_KEYS.get(name)
         if key is None or name in KEYS:
             continue
-        if name == "batching":
+        if name == "dataset_random_seed_offset":
+            updates.update(_seed_offset_for_datasets(value, lambda n: updates.get(n, get(n))))
+        elif name == "batching":
             if value is not None:
                 updates.update(_seq_ordering_for_train(value, lambda n: updates.get(n, get(n))))
         elif key.status == "no effect" and (not key.quiet_values or value in key.quiet_values):
