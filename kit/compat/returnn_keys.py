@@ -78,7 +78,7 @@ _OTHER: list[ReturnnKey] = [
     _n("context_window", "a RETURNN Dataset default (returnn/datasets/basic.py) used only by Dataset._iterate_seqs, the TF engine's chunking; RETURNN's torch engine chunks in returnn/torch/data/pipeline.py, which ignores it", None),
     _u("data_key", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data) and TF networks; kit has no such task'),
     _t("dataset_random_seed_offset", "the random_seed_offset of every dataset dict (train, dev, eval, eval_datasets, forward_data) of a kit or RETURNN class that sets none, as RETURNN's Dataset default; dataset objects and custom classes keep their own"),
-    _u("dry_run"),
+    _u("dry_run", "RETURNN (returnn/util/basic.py should_write_to_disk, returnn/__main__.py) writes nothing: no checkpoints, score file or cleanup; kit has no write-nothing mode yet (a notebook Session with no model prefix writes no checkpoints)"),
     _u("dummy_dataset_num_seqs", "RETURNN's use_dummy_datasets (returnn/__main__.py setup_dummy_datasets: DummyGenericDataset from extern_data); kit does not replace datasets by dummies yet"),
     _u("epoch", "RETURNN's task='eval' (returnn/__main__.py: the epoch to evaluate, set as load_epoch) and its analyze_data task; kit's eval takes load_epoch"),
     _u("epoch_end"),
@@ -128,7 +128,7 @@ _OTHER: list[ReturnnKey] = [
     _n("torch_dataloader_shard_workers", "RETURNN's DataLoader sharding over workers (returnn/torch/data/returnn_dataset_wrapper.py); kit's workers always share out the data (RETURNN's True, its default since behavior_version 37); False (every worker yields all data) warns", None, True),
     _u("torch_optimizer_step", "RETURNN (returnn/torch/updater.py, returnn/torch/util/optimizer_step.py) compiles and CUDA-graph-captures the optimizer step separately; kit runs the optimizer step eagerly (torch_cuda_graph's capture_optimizer captures it with the step)"),
     _u("torch_profile"),
-    _u("torch_watch_stall"),
+    _u("torch_watch_stall", "see docs/config.md"),
     _u("train_dummy_dataset_num_seqs", "RETURNN's use_dummy_datasets (returnn/__main__.py setup_dummy_datasets); kit does not replace datasets by dummies yet"),
     _u("use_dummy_datasets", "RETURNN (returnn/__main__.py setup_dummy_datasets) replaces train/dev/eval by DummyGenericDataset from extern_data; kit does not replace datasets by dummies yet"),
     _u("use_lovely_tensors"),
@@ -141,9 +141,9 @@ _OTHER: list[ReturnnKey] = [
 
 # RETURNN keys that kit has under the same name with RETURNN's meaning
 _SAME = (
-    "accum_grad_multiple_step apply_cleanup_old_models_to_optim_states batch_size batch_size_dev batch_size_train chunking cleanup_old_models dev device "
+    "accum_grad_multiple_step allow_skipping_seqs_in_forward apply_cleanup_old_models_to_optim_states batch_size batch_size_dev batch_size_train chunking cleanup_old_models dev device "
     "dynamic_learning_rate eval eval_datasets extern_data forward_auto_split_batch_on_oom forward_callback "
-    "forward_data forward_step get_model grad_scaler gradient_clip gradient_clip_global_norm gradient_noise "
+    "forward_data forward_step get_model grad_clip grad_scaler gradient_clip gradient_clip_global_norm gradient_noise "
     "import_model_train_epoch1 learning_rate learning_rate_control learning_rate_control_error_measure "
     "learning_rate_control_min_num_epochs_per_new_lr learning_rate_control_relative_error_relative_lr "
     "learning_rate_decay learning_rate_file learning_rate_growth learning_rates load load_epoch "
@@ -153,7 +153,7 @@ _SAME = (
     "newbob_relative_error_grow_threshold newbob_relative_error_threshold num_epochs optimizer packed_batch_cost "
     "packed_batch_cost_dev packed_batch_cost_train packed_batch_size packed_batch_size_dev packed_batch_size_train "
     "preload_from_files "
-    "random_seed save_interval start_epoch stop_on_nonfinite_train_score task torch_amp torch_dataloader_opts "
+    "random_seed save_interval start_batch start_epoch stop_on_nonfinite_train_score task torch_amp torch_dataloader_opts "
     "torch_batching torch_distributed torch_log_memory_usage train train_step use_tensorboard tensorboard_opts"
 ).split()
 

@@ -360,6 +360,12 @@ def _grad_clip(v: Any) -> str | None:
             "(clip the global norm) or gradient_clip (clip each value)")
 
 
+def _watch_stall(v: Any) -> str | None:
+    from kit.engine.watch_stall import check_options
+
+    return check_options(v)
+
+
 def _k(section: str, name: str, type_: str, default: Any, doc: str, check: Check | None = None) -> Key:
     return Key(name=name, type=type_, default=default, doc=doc, check=check, section=section)
 
@@ -438,6 +444,7 @@ _KEYS: list[Key] = [
     _k("callbacks", "startup_callback", "callable", None, "RETURNN's: startup_callback(config=config), once when the engine sets up (before data and model)", optional_callable),
     _k("callbacks", "epoch_start", "callable", None, "RETURNN's: fn(*, epoch, step, model, dataset_name, **kwargs) before the train epoch (dataset_name 'train') and before each eval dataset", optional_callable),
     _k("callbacks", "epoch_end", "callable", None, "RETURNN's: fn(*, epoch, step, model, dataset_name, **kwargs) after the train epoch (before its checkpoint and eval) and after each eval dataset", optional_callable),
+    _k("memory", "torch_watch_stall", "float | dict", None, "RETURNN's: when no train step began for this many seconds, log STALL: lines with py-spy dumps of this process ({'timeout': s, 'native': True, 'repeat': 3}; unset: env RETURNN_WATCH_STALL); never kills; see kit/engine/watch_stall.py", _watch_stall),
     _k("memory", "watch_memory", "bool", False, "RETURNN's: a background thread logs 'MEMORY:' lines when this process or a child (data worker) appears, grows or exits", boolean),
     _k("memory", "reset_dev_memory_caches", "bool", False, "RETURNN's: gc.collect() and torch.cuda.empty_cache() before each train epoch, eval and forward", boolean),
     _k("memory", "PYTORCH_CUDA_ALLOC_CONF", "str", None, "RETURNN's: set as environment variable before CUDA starts (not with torch_distributed: a warning, as RETURNN)", optional_str),

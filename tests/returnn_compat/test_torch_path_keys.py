@@ -87,3 +87,57 @@ def test_dataset_random_seed_offset_equals_returnns_order():
             orders.append([int(i) for i in ds.get_current_seq_order()])
     config = kit.Config(dataset_random_seed_offset=7, train=spec)
     assert [_kit_order(config, e) for e in (1, 2)] == orders
+
+
+def test_torch_watch_stall_dumps_the_stacks_when_no_step_begins(tmp_path, monkeypatch, caplog):
+    from kit.engine import watch_stall
+
+    monkeypatch.setattr(watch_stall, "find_py_spy", lambda: None)
+    with (tmp_path / "stacks.txt").open("w") as out, caplog.at_level(logging.WARNING, logger="kit"):
+        watcher = watch_stall.StallWatcher(timeout=0.2, repeat=1, out=out, poll=0.05).start()
+        watcher._thread.join(timeout=5)
+    assert watcher.dumps == 1
+    text = " ".join(r.getMessage() for r in caplog.records)
+    assert "STALL: no progress" in text and "py-spy not found" in text
+    assert "test_torch_watch_stall_dumps_the_stacks" in (tmp_path / "stacks.txt").read_text()  # this thread's stack
+
+
+def test_torch_watch_stall_stays_quiet_while_steps_begin(caplog):
+    import time
+
+    from kit.engine.watch_stall import StallWatcher
+
+    with caplog.at_level(logging.WARNING, logger="kit"):
+        watcher = StallWatcher(timeout=0.3, poll=0.05).start()
+        for _ in range(10):  # negative control: a step every 0.05 s is progress
+            watcher.beat()
+            time.sleep(0.05)
+        watcher.stop()
+    assert watcher.dumps == 0 and not any("STALL" in r.getMessage() for r in caplog.records)
+
+
+def test_torch_watch_stall_options():
+    from kit.engine.watch_stall import watch_options
+
+    assert watch_options(600) == {"timeout": 600.0}
+    assert watch_options(None) is None
+    kit.Config(torch_watch_stall={"timeout": 60, "repeat": 2})
+    with pytest.raises(ConfigError, match="torch_watch_stall"):
+        kit.Config(torch_watch_stall={"timeout": 60, "kill": True})
+
+
+def test_torch_watch_stall_watches_while_training(tmp_path):
+    import threading
+
+    def watching() -> bool:
+        return any(t.name == "kit torch_watch_stall" and t.is_alive() for t in threading.enumerate())
+
+    seen: list[bool] = []
+    engine = Engine(kit.Config(tiny_config(str(tmp_path / "m"), torch_watch_stall=600, num_epochs=1,
+                                           epoch_end=lambda **_: seen.append(watching()))))
+    try:
+        engine.setup()
+        engine.train()
+    finally:
+        engine.close()
+    assert seen and all(seen) and not watching()
