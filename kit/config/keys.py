@@ -474,7 +474,7 @@ _KEYS: list[Key] = [
     _k("optimizer", "gradient_clip", "float", None, "clip each gradient value to [-v, v]", optional_non_negative_number),
     _k("optimizer", "gradient_clip_global_norm", "float", None, "clip the global gradient norm to this", optional_non_negative_number),
     _k("optimizer", "gradient_clip_norm", "float", None, "alias of gradient_clip_global_norm (RETURNN)", optional_non_negative_number),
-    _k("optimizer", "grad_clip", "float", None, "RETURNN's torch engine refuses it (a mistaken name): any value but 0 is an error naming gradient_clip_global_norm / gradient_clip", _grad_clip),
+    _k("optimizer", "grad_clip", "float", 0.0, "RETURNN's torch engine refuses it (a mistaken name): any value but 0 is an error naming gradient_clip_global_norm / gradient_clip", _grad_clip),
     _k("optimizer", "gradient_noise", "float", None, "add Gaussian noise with this stddev to gradients", optional_non_negative_number),
     _k("optimizer", "weight_decay_modules_blacklist", "list", None, "module types whose params never decay (default: norms, Embedding)"),
     _k("optimizer", "weight_decay_custom_include_check", "callable", None, "f(*, module, param_name, param, **kw) -> bool | None", optional_callable),
