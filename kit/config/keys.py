@@ -489,6 +489,7 @@ _KEYS: list[Key] = [
     _k("checkpoints", "preload_from_files", "dict", None, "name -> {filename, prefix, checkpoint_key, ignore_params, ..., init_for_train}", preload_spec),
     _k("checkpoints", "load_model_post_hooks", "list", None, "callables f(*, model, **kw) run after loading weights"),
     _k("checkpoints", "load", "str", None, "checkpoint file to start from"),
+    _k("checkpoints", "epoch", "int", None, "RETURNN's: for `python -m kit eval` without 'load', the epoch to evaluate (as load_epoch, which must match when set); train and forward ignore it, as RETURNN's torch path does", optional_positive_int),
     _k("checkpoints", "load_epoch", "int", None, "epoch checkpoint to start from", optional_positive_int),
     _k("checkpoints", "import_model_train_epoch1", "str", None, "initialize epoch 1 from this checkpoint (model only)", optional_str),
 ]

@@ -141,3 +141,14 @@ def test_torch_watch_stall_watches_while_training(tmp_path):
     finally:
         engine.close()
     assert seen and all(seen) and not watching()
+
+
+def test_epoch_names_the_checkpoint_of_the_eval_command():
+    from kit.cli import _eval_epoch
+
+    assert _eval_epoch(kit.Config(epoch=2)).typed_value("load_epoch") == 2
+    assert _eval_epoch(kit.Config()).typed_value("load_epoch") is None  # negative control
+    assert _eval_epoch(kit.Config(epoch=2, load="x.pt")).typed_value("load_epoch") is None  # load wins, as in RETURNN
+    assert _eval_epoch(kit.Config(epoch=2, load_epoch=2)).typed_value("load_epoch") == 2
+    with pytest.raises(ConfigError, match="have to match"):
+        _eval_epoch(kit.Config(epoch=2, load_epoch=3))
