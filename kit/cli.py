@@ -30,10 +30,13 @@ import shlex
 import signal
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kit.errors import KitError
+from kit.errors import ConfigError, KitError
 from kit.scores import format_value
+
+if TYPE_CHECKING:
+    from kit.config import Config
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -223,10 +226,23 @@ def _interrupt_job_group() -> None:
     os.kill(-pgid, signal.SIGINT)
 
 
+def _eval_epoch(config: Config) -> Config:
+    """RETURNN's eval task: without ``load``, ``epoch`` names the checkpoint to evaluate (as ``load_epoch``,
+    which must agree when both are set)."""
+    epoch = config.typed_value("epoch")
+    if epoch is None or config.typed_value("load"):
+        return config
+    load_epoch = config.typed_value("load_epoch")
+    if load_epoch is not None and load_epoch != epoch:
+        raise ConfigError(f"epoch {epoch} and load_epoch {load_epoch} have to match (RETURNN's eval task)")
+    return config.update(load_epoch=epoch)
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from kit.engine.engine import Engine
 
-    engine = Engine(_config(args), task="eval")  # RETURNN: load / load_epoch choose the weights; preload entries for recog apply
+    config = _eval_epoch(_config(args))
+    engine = Engine(config, task="eval")  # RETURNN: load / load_epoch choose the weights; preload entries for recog apply
     results = engine.eval_model()
     if not results:
         raise KitError(f"{args.config}: no eval datasets (set 'dev', 'eval' or 'eval_datasets')")

@@ -67,85 +67,83 @@ _OTHER: list[ReturnnKey] = [
     _n("EnableAutoNumpySharedMemPickling", "RETURNN's multiprocessing pickler", False, None),
     _n("sprint_trainer_exec_path", "RASR/Sprint training", None),
     _u("PYTORCH_CUDA_ALLOC_CONF"),
-    _u("__debug_dummy_distributed_rank_and_size"),
-    _u("allow_skipping_seqs_in_forward"),
-    _u("analyze_dataset"),
-    _u("cache_size", "HDF caching of RETURNN's datasets"),
+    _n("__debug_dummy_distributed_rank_and_size", "RETURNN's own test hook (returnn/datasets/basic.py: a faked (rank, size) for its dataset sharding tests); kit's ranks come from torchrun", None),
+    _u("analyze_dataset", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data: dataset statistics files); kit has no such task (`python -m kit` has train / eval / forward / scores / checkpoints)'),
+    _u("cache_size", "RETURNN's HDF cache budget (returnn/__main__.py get_cache_byte_sizes, passed to RETURNN's own HDFDataset as cache_byte_size); kit's HDFDataset reads sequences on demand and has no cache budget yet"),
     _u("calculate_exp_loss"),
-    _u("check_learning_rates"),
-    _u("chunk_eval"),
-    _u("chunking_variance"),
-    _u("combine_labels"),
-    _u("context_window"),
-    _u("data_key"),
-    _u("dataset_random_seed_offset"),
-    _u("dry_run"),
-    _u("dummy_dataset_num_seqs"),
-    _u("epoch", "RETURNN's epoch for single tasks; use load_epoch"),
+    _n("check_learning_rates", 'read only by the command-line tool in returnn/learning_rate_control.py (its demo(), which replays a learning-rate file); training never reads it', None),
+    _n("chunk_eval", "RETURNN's Dataset.get_default_kwargs_eval: chunking inside RETURNN's dev/eval Dataset objects, which only the TF engine's batches use; RETURNN's torch engine chunks in its pipeline from `chunking` (kit: chunking_in_eval)", None),
+    _n("chunking_variance", "a RETURNN Dataset default (returnn/datasets/basic.py) used only by Dataset._iterate_seqs, the TF engine's chunking; RETURNN's torch engine chunks in returnn/torch/data/pipeline.py, which ignores it", 0, 0.0, None),
+    _u("combine_labels", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend)"),
+    _n("context_window", "a RETURNN Dataset default (returnn/datasets/basic.py) used only by Dataset._iterate_seqs, the TF engine's chunking; RETURNN's torch engine chunks in returnn/torch/data/pipeline.py, which ignores it", None),
+    _u("data_key", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data) and TF networks; kit has no such task'),
+    _t("dataset_random_seed_offset", "the random_seed_offset of every dataset dict (train, dev, eval, eval_datasets, forward_data) of a kit or RETURNN class that sets none, as RETURNN's Dataset default; dataset objects and custom classes keep their own"),
+    _u("dry_run", "RETURNN (returnn/util/basic.py should_write_to_disk, returnn/__main__.py) writes nothing: no checkpoints, score file or cleanup; kit has no write-nothing mode yet (a notebook Session with no model prefix writes no checkpoints)"),
+    _u("dummy_dataset_num_seqs", "RETURNN's use_dummy_datasets (returnn/__main__.py setup_dummy_datasets: DummyGenericDataset from extern_data); kit does not replace datasets by dummies yet"),
+    _u("epoch", "RETURNN's task='eval' (returnn/__main__.py: the epoch to evaluate, set as load_epoch) and its analyze_data task; kit's eval takes load_epoch"),
     _u("epoch_end"),
     _u("epoch_start"),
-    _u("eval_output_file"),
-    _u("eval_output_file_per_seq"),
-    _u("forward_batch_size", "RETURNN's TensorFlow backend only (its forward-to-HDF task); the torch engine never reads it"),
-    _u("forward_use_search"),
-    _u("gpu_local_cpu_affinity"),
-    _u("grad_clip"),
-    _u("inf_value"),
-    _u("ipython"),
-    _u("log", "kit logs through Python's logging (the CLI to stderr)"),
+    _u("eval_output_file", "returnn/__main__.py passes it to eval_model for task='eval'; only RETURNN's TF engine takes it (returnn/torch/engine.py eval_model has no such parameter); kit's eval writes the score table"),
+    _u("eval_output_file_per_seq", "returnn/__main__.py passes it to eval_model for task='eval'; only RETURNN's TF engine takes it (returnn/torch/engine.py eval_model has no such parameter)"),
+    _u("forward_batch_size", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend); the torch engine forwards with batch_size / batch_size_dev"),
+    _u("forward_use_search", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend)"),
+    _u("gpu_local_cpu_affinity", "RETURNN (returnn/torch/util/gpu_cpu_affinity.py, default True) pins its process to the CPUs local to its GPU (Linux sysfs); kit does not pin yet"),
+    _u("inf_value", "read by RETURNN's frontend backends (get_global_inf_value) from RETURNN's global config, which kit does not set: an rf model under kit uses float('inf')"),
+    _u("ipython", "RETURNN's own process: returnn/__main__.py starts an IPython kernel beside training; kit runs in Jupyter itself"),
+    _u("log", "RETURNN's own log files (returnn/log.py); kit logs through Python's logging (the CLI to stderr), the run's event log and the trackers"),
     _u("log_batch_size"),
-    _u("log_format"),
+    _u("log_format", "RETURNN's own log files (returnn/log.py); kit logs through Python's logging (the CLI to stderr)"),
     _u("log_grad_norm"),
-    _u("loss_name"),
-    _u("need_data"),
-    _u("on_size_limit"),
-    _u("onnx_export"),
-    _u("output_file"),
-    _u("output_per_seq_file_format"),
-    _u("output_per_seq_format"),
-    _u("packed_fallback_allowed"),
-    _u("pretrain_learning_rate"),
+    _u("loss_name", "returnn/__main__.py passes it to eval_model for task='eval'; only RETURNN's TF engine takes it (returnn/torch/engine.py eval_model has no such parameter)"),
+    _u("need_data", "RETURNN's own process start (returnn/__main__.py need_data: False skips loading train/dev/eval); kit builds the datasets a command uses when it uses them"),
+    _n("on_size_limit", "RETURNN's Dataset.get_default_kwargs_eval: chunking inside RETURNN's dev/eval Dataset objects, which only the TF engine's batches use", 'ignore', None),
+    _u("onnx_export", "RETURNN's ONNX export tool (returnn/util/basic.py is_onnx_export_global, read by its tensor dims); kit has no ONNX export task"),
+    _u("output_file", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend); kit's forward: forward_callback, or `--output` (npz)"),
+    _u("output_per_seq_file_format", "returnn/__main__.py passes it to eval_model for task='eval'; only RETURNN's TF engine takes it (returnn/torch/engine.py eval_model has no such parameter)"),
+    _u("output_per_seq_format", "returnn/__main__.py passes it to eval_model for task='eval'; only RETURNN's TF engine takes it (returnn/torch/engine.py eval_model has no such parameter)"),
+    _u("packed_fallback_allowed", "read by RETURNN's frontend (returnn/frontend/_packed_backend.py) from RETURNN's global config, which kit does not set: an rf model under kit gets the frontend's default"),
+    _n("pretrain_learning_rate", "RETURNN's network pretraining (returnn/pretrain.py, TF net dicts) and its learning_rate_control.py command-line tool; the torch engine has no pretraining", None),
     _u("reset_dev_memory_caches"),
-    *[_u(f"rf_{n}", "read by RETURNN's frontend modules from RETURNN's global config")
+    *[_u(f"rf_{n}", "read by RETURNN's frontend modules (returnn/frontend/...) from RETURNN's global config, which "
+            "kit does not set: an rf model under kit gets the frontend's default")
       for n in ("att_dropout_broadcast", "batch_norm_distributed", "conformer_conv_norm_use_mask", "dropout_broadcast",
                 "module_output_keep_dtype", "moments_float32", "moments_use_fixed_masking", "native_opt",
                 "packed_att_fast_paths", "packed_warn_regap", "scatter_use_fixed_masking",
                 "specaugment_num_masks_per_seq", "use_consistent_same_padding")],
-    _u("search_data"),
-    _u("search_do_eval"),
-    _u("search_output_file"),
-    _u("search_output_file_format"),
-    _u("search_output_layer"),
-    _u("shuffle_frames_of_nseqs"),
+    _u("search_data", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search(); kit: forward with a forward_step that searches"),
+    _u("search_do_eval", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search()"),
+    _u("search_output_file", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search()"),
+    _u("search_output_file_format", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search()"),
+    _u("search_output_layer", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search() (output layers of a net dict)"),
+    _u("shuffle_frames_of_nseqs", "a RETURNN Dataset default for training (returnn/datasets/basic.py load_seqs: frames shuffled across n sequences, implemented by its CachedDataset/GeneratingDataset/Sprint); kit's datasets do not shuffle frames yet"),
     _u("sort_dataset"),
-    _u("start_batch"),
     _u("startup_callback"),
-    _u("statistics"),
-    _u("statistics_dtype"),
-    _u("statistics_save_prefix"),
+    _u("statistics", "RETURNN's task='analyze' (returnn/__main__.py): only RETURNN's TF engine has analyze(); kit has no such task"),
+    _u("statistics_dtype", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data); kit has no such task'),
+    _u("statistics_save_prefix", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data); kit has no such task'),
     _u("stop_for_resubmission_safety_factor"),
     _u("stop_for_resubmission_when_low_time_left"),
-    _u("target"),
+    _u("target", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data) and TF layers; kit has no such task (train_step names its targets)'),
     _u("torch_cuda_graph"),
-    _u("torch_dataloader_shard_workers"),
-    _u("torch_optimizer_step"),
+    _n("torch_dataloader_shard_workers", "RETURNN's DataLoader sharding over workers (returnn/torch/data/returnn_dataset_wrapper.py); kit's workers always share out the data (RETURNN's True, its default since behavior_version 37); False (every worker yields all data) warns", None, True),
+    _u("torch_optimizer_step", "RETURNN (returnn/torch/updater.py, returnn/torch/util/optimizer_step.py) compiles and CUDA-graph-captures the optimizer step separately; kit runs the optimizer step eagerly (torch_cuda_graph's capture_optimizer captures it with the step)"),
     _u("torch_profile"),
-    _u("torch_watch_stall"),
-    _u("train_dummy_dataset_num_seqs"),
-    _u("use_dummy_datasets"),
+    _u("torch_watch_stall", "see docs/config.md"),
+    _u("train_dummy_dataset_num_seqs", "RETURNN's use_dummy_datasets (returnn/__main__.py setup_dummy_datasets); kit does not replace datasets by dummies yet"),
+    _u("use_dummy_datasets", "RETURNN (returnn/__main__.py setup_dummy_datasets) replaces train/dev/eval by DummyGenericDataset from extern_data; kit does not replace datasets by dummies yet"),
     _u("use_lovely_tensors"),
-    _u("use_train_proc_manager"),
+    _u("use_train_proc_manager", "RETURNN's own process model (returnn/util/train_proc_manager.py restarts its process after a crash); kit runs in the caller's process or under torchrun"),
     _u("wandb_opts"),
     _u("watch_memory"),
-    _u("web_server_port"),
-    _u("window"),
+    _u("web_server_port", "RETURNN's task='search_server' (returnn/__main__.py): only RETURNN's TF engine has web_server()"),
+    _u("window", "a RETURNN Dataset default (returnn/datasets/basic.py: a sliding window over the input features, done by its CachedDataset/GeneratingDataset); kit's datasets have no window yet"),
 ]
 
 # RETURNN keys that kit has under the same name with RETURNN's meaning
 _SAME = (
-    "accum_grad_multiple_step apply_cleanup_old_models_to_optim_states batch_size batch_size_dev batch_size_train chunking cleanup_old_models dev device "
+    "accum_grad_multiple_step allow_skipping_seqs_in_forward apply_cleanup_old_models_to_optim_states batch_size batch_size_dev batch_size_train chunking cleanup_old_models dev device "
     "dynamic_learning_rate eval eval_datasets extern_data forward_auto_split_batch_on_oom forward_callback "
-    "forward_data forward_step get_model grad_scaler gradient_clip gradient_clip_global_norm gradient_noise "
+    "forward_data forward_step get_model grad_clip grad_scaler gradient_clip gradient_clip_global_norm gradient_noise "
     "import_model_train_epoch1 learning_rate learning_rate_control learning_rate_control_error_measure "
     "learning_rate_control_min_num_epochs_per_new_lr learning_rate_control_relative_error_relative_lr "
     "learning_rate_decay learning_rate_file learning_rate_growth learning_rates load load_epoch "
@@ -155,7 +153,7 @@ _SAME = (
     "newbob_relative_error_grow_threshold newbob_relative_error_threshold num_epochs optimizer packed_batch_cost "
     "packed_batch_cost_dev packed_batch_cost_train packed_batch_size packed_batch_size_dev packed_batch_size_train "
     "preload_from_files "
-    "random_seed save_interval start_epoch stop_on_nonfinite_train_score task torch_amp torch_dataloader_opts "
+    "random_seed save_interval start_batch start_epoch stop_on_nonfinite_train_score task torch_amp torch_dataloader_opts "
     "torch_batching torch_distributed torch_log_memory_usage train train_step use_tensorboard tensorboard_opts"
 ).split()
 
@@ -176,6 +174,25 @@ def _seq_ordering_for_train(value: Any, get: Callable[[str], Any]) -> dict[str, 
     return {"seq_ordering": value}
 
 
+_DATASET_KEYS = ("train", "dev", "eval", "forward_data")
+
+
+def _seed_offset_for_datasets(value: Any, get: Callable[[str], Any]) -> dict[str, Any]:
+    """RETURNN's ``dataset_random_seed_offset``: the default ``random_seed_offset`` of its datasets."""
+    if not value:
+        return {}
+
+    def with_offset(spec: Any) -> Any:
+        named = isinstance(spec, Mapping) and isinstance(spec.get("class"), str) and "." not in spec["class"]
+        return {**spec, "random_seed_offset": int(value)} if named and "random_seed_offset" not in spec else spec
+
+    updates = {k: with_offset(get(k)) for k in _DATASET_KEYS if with_offset(get(k)) is not get(k)}
+    evals = get("eval_datasets")
+    if isinstance(evals, Mapping) and any(with_offset(v) is not v for v in evals.values()):
+        updates["eval_datasets"] = {name: with_offset(v) for name, v in evals.items()}
+    return updates
+
+
 def translate(values: Mapping[str, Any], get: Callable[[str], Any]) -> tuple[dict[str, Any], list[str]]:
     """RETURNN-only keys of ``values`` rewritten into kit keys; the names of unsupported ones.
 
@@ -191,7 +208,9 @@ def translate(values: Mapping[str, Any], get: Callable[[str], Any]) -> tuple[dic
         key = RETURNN_KEYS.get(name)
         if key is None or name in KEYS:
             continue
-        if name == "batching":
+        if name == "dataset_random_seed_offset":
+            updates.update(_seed_offset_for_datasets(value, lambda n: updates.get(n, get(n))))
+        elif name == "batching":
             if value is not None:
                 updates.update(_seq_ordering_for_train(value, lambda n: updates.get(n, get(n))))
         elif key.status == "no effect" and (not key.quiet_values or value in key.quiet_values):
@@ -250,8 +269,19 @@ def missing_returnn_keys(package_dir: str | os.PathLike[str]) -> list[str]:
     return sorted(k for k in returnn_config_reads(package_dir) if k not in RETURNN_KEYS and k not in KEYS)
 
 
+def keys_without_reason(keys: Mapping[str, ReturnnKey] | None = None) -> list[str]:
+    """The "unsupported", "no effect" and "replaced" keys of ``keys`` (default: the table) with no note saying why.
+
+    Each such key must name where RETURNN reads it and why kit does not (TensorFlow backend, RETURNN's own
+    process model or tasks, or what kit does not do yet)."""
+    table = RETURNN_KEYS if keys is None else keys
+    return sorted(n for n, k in table.items() if k.status != "kit" and not k.note.strip())
+
+
 def returnn_keys_markdown() -> str:
-    """The generated ``docs/returnn_keys.md`` text."""
+    """The generated ``docs/returnn_keys.md`` text (a ValueError when a key kit does not support has no reason)."""
+    if missing := keys_without_reason():
+        raise ValueError(f"kit/compat/returnn_keys.py: no reason written beside {', '.join(missing)}")
     counts: dict[str, int] = {}
     for key in RETURNN_KEYS.values():
         counts[key.status] = counts.get(key.status, 0) + 1

@@ -353,6 +353,19 @@ def _torch_profile(v: Any) -> str | None:
     return check_profile(v)
 
 
+def _grad_clip(v: Any) -> str | None:
+    if v is None or (_is_num(v) and v == 0):
+        return None
+    return ("0 or unset: RETURNN's torch engine refuses grad_clip; the option is called gradient_clip_global_norm "
+            "(clip the global norm) or gradient_clip (clip each value)")
+
+
+def _watch_stall(v: Any) -> str | None:
+    from kit.engine.watch_stall import check_options
+
+    return check_options(v)
+
+
 def _k(section: str, name: str, type_: str, default: Any, doc: str, check: Check | None = None) -> Key:
     return Key(name=name, type=type_, default=default, doc=doc, check=check, section=section)
 
@@ -387,6 +400,7 @@ _KEYS: list[Key] = [
     _k("data", "sort_dataset", "bool", True, "RETURNN's: forward runs the data longest first (sorted_reverse); False keeps the dataset's own order", boolean),
     _k("data", "min_seq_length", "int | dict", None, "drop sequences shorter than this (per key or all keys)", int_or_per_key()),
     _k("data", "max_seq_length", "int | dict", None, "drop sequences longer than this (per key or all keys)", int_or_per_key()),
+    _k("data", "allow_skipping_seqs_in_forward", "bool", False, "RETURNN's: forward applies min_seq_length / max_seq_length only with this set (with a warning that sequences may be lost); without it they are an error in forward", boolean),
     _k("data", "chunking", "int | str | tuple | dict", None, "cut training sequences into chunks: size, 'size:step', (size, step), per-key dicts", chunking_spec),
     _k("data", "min_chunk_size", "int | dict", None, "drop final chunks shorter than this", int_or_per_key()),
     _k("data", "chunking_in_eval", "bool", True, "chunk eval datasets too, as RETURNN's torch engine does; False evaluates whole sequences", boolean),
@@ -399,6 +413,7 @@ _KEYS: list[Key] = [
     # training loop
     _k("training", "task", "str", "train", "RETURNN's task; in kit the command (train / eval / forward) or the Session call decides what runs", one_of("train", "eval", "forward")),
     _k("training", "num_epochs", "int", 5, "final (sub)epoch to train (RETURNN's default 5)", positive_int),
+    _k("training", "start_batch", "str", "auto", "RETURNN's: only 'auto' (continue after the newest checkpoint); another value is an error, as in RETURNN", one_of("auto")),
     _k("training", "start_epoch", "int | str", "auto", "first epoch to train ('auto': continue after the newest checkpoint)"),
     _k("training", "accum_grad_multiple_step", "int | callable", 1, "micro-batches per update; gradients are summed, not averaged", int_or_callable),
     _k("training", "torch_amp", "str | dict", None, "autocast dtype: 'float16' / 'bfloat16' / {'dtype': .., 'grad_scaler': {..}}", amp_spec),
@@ -429,6 +444,7 @@ _KEYS: list[Key] = [
     _k("callbacks", "startup_callback", "callable", None, "RETURNN's: startup_callback(config=config), once when the engine sets up (before data and model)", optional_callable),
     _k("callbacks", "epoch_start", "callable", None, "RETURNN's: fn(*, epoch, step, model, dataset_name, **kwargs) before the train epoch (dataset_name 'train') and before each eval dataset", optional_callable),
     _k("callbacks", "epoch_end", "callable", None, "RETURNN's: fn(*, epoch, step, model, dataset_name, **kwargs) after the train epoch (before its checkpoint and eval) and after each eval dataset", optional_callable),
+    _k("memory", "torch_watch_stall", "float | dict", None, "RETURNN's: when no train step began for this many seconds, log STALL: lines with py-spy dumps of this process ({'timeout': s, 'native': True, 'repeat': 3}; unset: env RETURNN_WATCH_STALL); never kills; see kit/engine/watch_stall.py", _watch_stall),
     _k("memory", "watch_memory", "bool", False, "RETURNN's: a background thread logs 'MEMORY:' lines when this process or a child (data worker) appears, grows or exits", boolean),
     _k("memory", "reset_dev_memory_caches", "bool", False, "RETURNN's: gc.collect() and torch.cuda.empty_cache() before each train epoch, eval and forward", boolean),
     _k("memory", "PYTORCH_CUDA_ALLOC_CONF", "str", None, "RETURNN's: set as environment variable before CUDA starts (not with torch_distributed: a warning, as RETURNN)", optional_str),
@@ -458,6 +474,7 @@ _KEYS: list[Key] = [
     _k("optimizer", "gradient_clip", "float", None, "clip each gradient value to [-v, v]", optional_non_negative_number),
     _k("optimizer", "gradient_clip_global_norm", "float", None, "clip the global gradient norm to this", optional_non_negative_number),
     _k("optimizer", "gradient_clip_norm", "float", None, "alias of gradient_clip_global_norm (RETURNN)", optional_non_negative_number),
+    _k("optimizer", "grad_clip", "float", 0.0, "RETURNN's torch engine refuses it (a mistaken name): any value but 0 is an error naming gradient_clip_global_norm / gradient_clip", _grad_clip),
     _k("optimizer", "gradient_noise", "float", None, "add Gaussian noise with this stddev to gradients", optional_non_negative_number),
     _k("optimizer", "weight_decay_modules_blacklist", "list", None, "module types whose params never decay (default: norms, Embedding)"),
     _k("optimizer", "weight_decay_custom_include_check", "callable", None, "f(*, module, param_name, param, **kw) -> bool | None", optional_callable),
@@ -472,6 +489,7 @@ _KEYS: list[Key] = [
     _k("checkpoints", "preload_from_files", "dict", None, "name -> {filename, prefix, checkpoint_key, ignore_params, ..., init_for_train}", preload_spec),
     _k("checkpoints", "load_model_post_hooks", "list", None, "callables f(*, model, **kw) run after loading weights"),
     _k("checkpoints", "load", "str", None, "checkpoint file to start from"),
+    _k("checkpoints", "epoch", "int", None, "RETURNN's: for `python -m kit eval` without 'load', the epoch to evaluate (as load_epoch, which must match when set); train and forward ignore it, as RETURNN's torch path does", optional_positive_int),
     _k("checkpoints", "load_epoch", "int", None, "epoch checkpoint to start from", optional_positive_int),
     _k("checkpoints", "import_model_train_epoch1", "str", None, "initialize epoch 1 from this checkpoint (model only)", optional_str),
 ]

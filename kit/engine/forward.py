@@ -9,6 +9,7 @@ into a :class:`ForwardResult`.
 from __future__ import annotations
 
 import html
+import logging
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,8 @@ from kit.errors import ConfigError
 from kit.events import ForwardEnd
 from kit.rng import RngState
 from kit.run_ctx import RunCtx
+
+logger = logging.getLogger("kit")
 
 if TYPE_CHECKING:
     from kit.data.dataset import Dataset
@@ -128,6 +131,7 @@ class _Forward:
             return
         from kit.data.pipeline import Pipeline
 
+        _check_length_filter(self.config)
         # longest first (RETURNN's sort_dataset): an OOM shows up at once, not after an hour; the user's dataset
         # object is untouched
         pipeline = Pipeline.from_config(data, self.config, train=False, extern_data=_keys_of(self.b.extern_data, data),
@@ -167,6 +171,20 @@ class _Forward:
             compute.report_user_error(exc, stage="forward", batch=batch, rng=None)
             raise
         return dict(ctx.outputs)
+
+
+def _check_length_filter(config: Config) -> None:
+    """RETURNN's rule: forward keeps every sequence unless ``allow_skipping_seqs_in_forward`` lets the length
+    filter (``min_seq_length`` / ``max_seq_length``) drop some, which it then notes."""
+    low, high = config.typed_value("min_seq_length"), config.typed_value("max_seq_length")
+    if low is None and high is None:
+        return
+    if not config.bool("allow_skipping_seqs_in_forward"):
+        raise ConfigError(
+            f"forward keeps every sequence, but min_seq_length {low!r}, max_seq_length {high!r} would drop some "
+            "(as in RETURNN): unset them for forward, or set allow_skipping_seqs_in_forward=True")
+    logger.warning("Note: allow_skipping_seqs_in_forward is enabled (with min_seq_length %r, max_seq_length %r): "
+                   "sequences may be skipped, this may lead to incorrect evaluation results!", low, high)
 
 
 def _keys_of(extern_data: Any, data: Any) -> Any:

@@ -10,6 +10,8 @@
 - ``log_batch_size`` (with ``log_verbosity`` >= 5, as RETURNN): a line per train step with the batch's
   ``num_seqs``, and per data key with a time axis ``max_size:<key>`` and ``sum_size:<key>`` (the frames of
   content, without padding);
+- ``torch_watch_stall``: a daemon thread dumps the stacks when no train step began for its timeout
+  (:mod:`kit.engine.watch_stall`);
 - ``use_lovely_tensors``: ``lovely_tensors.monkey_patch()`` (a warning when it is not installed);
 - ``PYTORCH_CUDA_ALLOC_CONF``: set in the environment before CUDA starts (not under ``torch_distributed``,
   as RETURNN; a warning when CUDA has started already).
@@ -26,6 +28,8 @@ from typing import Any
 
 import torch
 
+from kit.engine.watch_stall import StallWatcher, watch_options
+
 logger = logging.getLogger("kit")
 
 
@@ -36,6 +40,7 @@ class RunHooks:
         self.config = config
         self._watcher: MemoryWatcher | None = None
         self._profile: Any = None
+        self._stall: StallWatcher | None = None
 
     def startup(self) -> None:
         """Before the engine builds anything: environment, lovely_tensors, memory watcher, startup_callback."""
@@ -75,6 +80,10 @@ class RunHooks:
             self._profile = TorchProfile(opts, run_dir, request_stop=request_stop,
                                          steps_done=lambda: progress().steps_exhausted, rank=rank,
                                          world_size=world_size).attach(events)
+        stall = watch_options(cfg.typed_value("torch_watch_stall"))
+        if stall is not None and self._stall is None:
+            self._stall = StallWatcher(**stall).start()
+            events.on("step_begin", self._stall.beat)
         if cfg.bool("stop_for_resubmission_when_low_time_left"):
             from kit.engine.resubmission import ResubmissionCheck
 
@@ -100,6 +109,9 @@ class RunHooks:
     def close(self) -> None:
         if self._profile is not None:
             self._profile.close()
+        if self._stall is not None:
+            self._stall.stop()
+            self._stall = None
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
