@@ -83,7 +83,9 @@ class RunHooks:
         stall = watch_options(cfg.typed_value("torch_watch_stall"))
         if stall is not None and self._stall is None:
             self._stall = StallWatcher(**stall).start()
-            events.on("step_begin", self._stall.beat)
+            for event in ("run_begin", "step_begin"):
+                events.on(event, self._stall.beat)
+            events.on("run_end", self._stall.pause)
         if cfg.bool("stop_for_resubmission_when_low_time_left"):
             from kit.engine.resubmission import ResubmissionCheck
 

@@ -61,6 +61,7 @@ class StallWatcher:
         self._out = out
         self._poll = min(self.timeout, 30.0) if poll is None else poll
         self._last = time.time()
+        self.running = False  # watching from a run's begin to its end: set-up and a Session idle between calls are not stalls
         self._stop = threading.Event()
         self.dumps = 0
         self._thread = threading.Thread(target=self._run, name="kit torch_watch_stall", daemon=True)
@@ -70,8 +71,13 @@ class StallWatcher:
         return self
 
     def beat(self, **_: Any) -> None:
-        """Progress: a train step began (subscribed to ``step_begin``)."""
+        """Progress: a run or a train step began (subscribed to ``run_begin`` and ``step_begin``)."""
         self._last = time.time()
+        self.running = True
+
+    def pause(self, **_: Any) -> None:
+        """A run ended (``run_end``): nothing is expected to move until the next one begins."""
+        self.running = False
 
     def stop(self) -> None:
         self._stop.set()
@@ -80,7 +86,7 @@ class StallWatcher:
     def _run(self) -> None:
         while self.dumps < self.repeat and not self._stop.wait(self._poll):
             idle = time.time() - self._last
-            if idle < self.timeout:
+            if not self.running or idle < self.timeout:
                 continue
             logger.warning("STALL: no progress for %.0fs in pid %d (timeout %.0fs), dumping stacks",
                            idle, os.getpid(), self.timeout)

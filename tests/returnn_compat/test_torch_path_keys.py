@@ -95,7 +95,9 @@ def test_torch_watch_stall_dumps_the_stacks_when_no_step_begins(tmp_path, monkey
     monkeypatch.setattr(watch_stall, "find_py_spy", lambda: None)
     with (tmp_path / "stacks.txt").open("w") as out, caplog.at_level(logging.WARNING, logger="kit"):
         watcher = watch_stall.StallWatcher(timeout=0.2, repeat=1, out=out, poll=0.05).start()
+        watcher.beat()  # a run began, then nothing
         watcher._thread.join(timeout=5)
+        watcher.stop()
     assert watcher.dumps == 1
     text = " ".join(r.getMessage() for r in caplog.records)
     assert "STALL: no progress" in text and "py-spy not found" in text
@@ -114,6 +116,17 @@ def test_torch_watch_stall_stays_quiet_while_steps_begin(caplog):
             time.sleep(0.05)
         watcher.stop()
     assert watcher.dumps == 0 and not any("STALL" in r.getMessage() for r in caplog.records)
+
+
+def test_torch_watch_stall_watches_a_sessions_runs_not_the_pauses_between_them(tmp_path, caplog):
+    """A notebook session idle between train calls is not stalled: no STALL line after its run ended."""
+    import time
+
+    config = tiny_config(model=str(tmp_path / "model"), torch_watch_stall={"timeout": 0.2, "repeat": 1}, num_epochs=1)
+    with caplog.at_level(logging.WARNING, logger="kit"), kit.Session(config, live=False) as session:
+        session.train()
+        time.sleep(0.8)  # four timeouts with no step: the watcher looks, but no run is going
+        assert not any("STALL" in r.getMessage() for r in caplog.records)
 
 
 def test_torch_watch_stall_options():
