@@ -55,7 +55,8 @@ def adapt_config_values(
     if any(k in out for k in USER_FUNCTION_KEYS):
         from kit.compat.step import adapt_function
 
-        spec = {"extern_data": current("extern_data"), "model_outputs": current("model_outputs")}
+        spec = {"extern_data": current("extern_data"), "model_outputs": current("model_outputs"),
+                "returnn_config": dict(values)}  # RETURNN's global config holds them all (rf_* keys included)
         for key in USER_FUNCTION_KEYS:
             if key in out:
                 out[key] = adapt_function(key, out[key], spec)

@@ -22,6 +22,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from kit.compat.global_config import ReturnnGlobals
 from kit.compat.imports import is_fallback_module, returnn_imports
 from kit.compat.seeding import apply_pending_seed
 from kit.compat.tensor import batch_view
@@ -76,12 +77,13 @@ def _is_returnn_object(value: Any) -> bool:
 def adapt_function(key: str, fn: Any, spec: Mapping[str, Any]) -> Any:
     """``fn`` wrapped for kit when it is RETURNN-style (see the module docstring), else ``fn`` itself.
 
-    ``spec`` holds the config's ``extern_data`` and ``model_outputs`` as written for RETURNN.
+    ``spec`` holds the config's ``extern_data`` and ``model_outputs`` as written for RETURNN, and its values
+    (``returnn_config``) for RETURNN's global config (:mod:`kit.compat.global_config`).
     """
     if not callable(fn) or getattr(fn, ADAPTED_ATTR, False) or not uses_returnn(fn):
         return fn
     if key == "get_model":
-        wrapper = _get_model_wrapper(fn)
+        wrapper = _get_model_wrapper(fn, dict(spec))
     elif key in STEP_KEYS:
         wrapper = _step_wrapper(fn, dict(spec))
     else:
@@ -100,21 +102,25 @@ def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
 
 
-def _get_model_wrapper(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _get_model_wrapper(fn: Callable[..., Any], spec: dict[str, Any]) -> Callable[..., Any]:
+    globals_ = ReturnnGlobals(spec.get("returnn_config") or {})
+
     @functools.wraps(fn)
     def get_model(**kwargs: Any) -> Any:
         with returnn_imports() as fallback:
-            if not fallback:
+            if fallback:
+                return fn(**_accepted(fn, kwargs))
+            with globals_.active():
                 _select_rf_backend()
                 apply_pending_seed()  # a config that imports returnn only inside get_model
-            model = fn(**_accepted(fn, kwargs))
-            return model if fallback else _as_torch_module(model)
+                return _as_torch_module(fn(**_accepted(fn, kwargs)))
 
     return get_model
 
 
 def _step_wrapper(fn: Callable[..., Any], spec: dict[str, Any]) -> Callable[..., Any]:
     bridge: list[Any] = []  # the RETURNN bridge, created on first use (needs RETURNN imported)
+    globals_ = ReturnnGlobals(spec.get("returnn_config") or {})
 
     @functools.wraps(fn)
     def step(*, model: Any, extern_data: Any, **kwargs: Any) -> Any:
@@ -126,7 +132,8 @@ def _step_wrapper(fn: Callable[..., Any], spec: dict[str, Any]) -> Callable[...,
                 from kit.compat.bridge import ReturnnBridge
 
                 bridge.append(ReturnnBridge(spec.get("extern_data"), spec.get("model_outputs")))
-            return bridge[0].run(fn, model=model, batch=extern_data, ctx=get_run_ctx(), **kwargs)
+            with globals_.active():
+                return bridge[0].run(fn, model=model, batch=extern_data, ctx=get_run_ctx(), **kwargs)
 
     return step
 
