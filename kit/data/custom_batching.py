@@ -110,9 +110,20 @@ class SequenceStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg
         )
 
 
-def plan(batcher: Batcher, stream: SequenceStream, name: str) -> tuple[EpochEntries, list[tuple[int, int]], list[float]]:
+def plan(batcher: Batcher, stream: SequenceStream,
+         name: str) -> tuple[EpochEntries, list[tuple[int, int]], list[float], bool]:
     """Run ``batcher`` over ``stream``: the entries in batch order, the batches as ranges over them,
-    and each batch's ``complete_frac`` (RETURNN's: the largest of its sequences'; 1.0 for the last)."""
+    and each batch's ``complete_frac`` (RETURNN's: the largest of its sequences'; 1.0 for the last), and whether the
+    batcher made a torch datapipe (RETURNN's DataLoader then draws one more seed: :mod:`kit.engine.loader_draws`).
+
+    The batcher runs on a fork of torch's generator: in RETURNN it runs in a DataLoader worker, so the numbers it
+    may draw never come from the training process's generator (dropout masks stay RETURNN's)."""
+    with torch.random.fork_rng(devices=[]):
+        return _plan(batcher, stream, name)
+
+
+def _plan(batcher: Batcher, stream: SequenceStream,
+          name: str) -> tuple[EpochEntries, list[tuple[int, int]], list[float], bool]:
     batches = batcher(stream)
     if not isinstance(batches, torch.utils.data.IterableDataset):
         raise ConfigError(
@@ -135,7 +146,8 @@ def plan(batcher: Batcher, stream: SequenceStream, name: str) -> tuple[EpochEntr
     if not ranges:
         raise DataError(f"dataset {name}: the torch_batching batcher yielded no batch for epoch {stream.epoch}")
     fracs[-1] = 1.0
-    return take(stream.entries, np.array(taken, dtype=np.int64)), ranges, fracs
+    datapipe = isinstance(batches, torch.utils.data.IterDataPipe)
+    return take(stream.entries, np.array(taken, dtype=np.int64)), ranges, fracs, datapipe
 
 
 def take(entries: EpochEntries, rows: np.ndarray) -> EpochEntries:

@@ -22,7 +22,7 @@ import torch
 
 from kit.compat.seeding import seed_returnn_frontend
 from kit.config import Config
-from kit.engine import build, distributed, parts, saving, step
+from kit.engine import build, distributed, loader_draws, parts, saving, step
 from kit.engine.accounting import EpochAccounting
 from kit.engine.cuda_graph import GraphedStep
 from kit.engine.debugging import DebugContext, Debugger, Hook
@@ -89,6 +89,8 @@ class Engine:
         self._last_checkpoint: Checkpoint | None = None
         self._closed_scores: ScoreTable | None = None
         self._epoch_start_time = 0.0
+        self._train_iterated = False  # RETURNN's train DataLoader has been iterated in this process (loader_draws)
+        self._eval_iterated: set[str] = set()  # and these eval datasets' DataLoaders
         self._calls = 0  # driver calls open now (deferred reads wait for their end)
         self._debugger: Debugger | None = None
         self._hooks = RunHooks(config)  # RETURNN's callbacks and memory switches of the config
@@ -389,6 +391,11 @@ class Engine:
         seed_all(seed)
         seed_returnn_frontend(seed)  # RETURNN's frontend too (rf.set_random_seed), as its engine does
         t.pipeline.set_epoch(p.epoch)
+        # what RETURNN's train DataLoader takes from torch's generator before its first batch (dropout masks follow)
+        loader_draws.draw(loader_draws.draws_per_iteration(
+            self.config.typed_value("torch_dataloader_opts"), first=not self._train_iterated,
+            datapipe=t.pipeline.batches_are_datapipe))
+        self._train_iterated = True
         t.accounting = EpochAccounting()
         p.begin_epoch()
         self._epoch_start_time = time.time()
@@ -538,7 +545,9 @@ class Engine:
                 p = self._progress
                 for name, dataset in datasets.items():
                     self._hooks.epoch_start(epoch=p.epoch, step=p.global_train_step, model=b.model, dataset_name=name)
-                    results[name], self._eval_errors[name] = evaluate_dataset(b, self.config, p, name, dataset)
+                    results[name], self._eval_errors[name] = evaluate_dataset(
+                        b, self.config, p, name, dataset, first_iteration=name not in self._eval_iterated)
+                    self._eval_iterated.add(name)
                     self._hooks.epoch_end(epoch=p.epoch, step=p.global_train_step, model=b.model, dataset_name=name)
         finally:
             rng.restore()
@@ -576,6 +585,7 @@ class Engine:
             accounting=t.accounting.state_dict() if p.epoch_running else None,
             grads=grads,
             scores=b.scores.to_json(),
+            loaders={"train": self._train_iterated, "eval": sorted(self._eval_iterated)},
         )
 
     def restore_state(self, state: TrainingState, *, announce: bool = True) -> None:
@@ -615,6 +625,9 @@ class Engine:
             prm.grad = None if grad is None else grad.to(prm.device, copy=True)
         if state.training_mode is not None:
             b.model.train(state.training_mode)
+        if state.loaders is not None:  # else a new process's loaders (RETURNN's files): as RETURNN would draw
+            self._train_iterated = bool(state.loaders.get("train"))
+            self._eval_iterated = set(state.loaders.get("eval") or ())
         state.rng.restore()
         if announce:
             self.events.emit(Restored(p.copy()))

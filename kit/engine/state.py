@@ -4,8 +4,9 @@ Checkpoints write it (:meth:`TrainingState.to_file` is the ``.opt.pt`` content, 
 the model file), ``restore`` and a resume read it back, ``lr_find`` takes one before its sweep and
 puts it back after, and the non-finite guard's deferred mode rewinds to one. What it holds:
 progress, weights and buffers, optimizer, grad scaler, LR control and the learning rates, data
-position, the epoch's loss sums, an open accumulation window's gradients, the RNG states and a
-copy of the score table.
+position, the epoch's loss sums, an open accumulation window's gradients, the RNG states, which data
+loaders RETURNN's engine would have iterated (their draws from torch's generator) and a copy of the
+score table.
 
 The file form is versioned (``"version"``) and holds tensors, numbers and strings only, so it
 loads with ``torch.load(weights_only=True)``; ``"optimizer"`` and ``"param_names"`` sit at the top,
@@ -43,6 +44,9 @@ class TrainingState:
     accounting: dict[str, Any] | None = None  # the running epoch's loss sums
     grads: dict[str, torch.Tensor] | None = None  # the gradients (the file form keeps an open window's only)
     scores: str | None = None  # the score table as JSON text (its rows come back if the file is lost)
+    # the DataLoaders RETURNN's engine would have iterated so far ({"train": bool, "eval": [names]}): what they
+    # draw from torch's generator depends on it (kit.engine.loader_draws); None: a new process's (RETURNN's files)
+    loaders: dict[str, Any] | None = None
     training_mode: bool | None = None  # the model's train()/eval() mode (in memory only)
 
     def to_file(self) -> dict[str, Any]:
@@ -61,6 +65,7 @@ class TrainingState:
             "learning_rate": dict(self.learning_rates or {"epoch": 0.0, "step": 0.0}),
             "grads": self.grads if self.progress.accum_count else None,
             "scores": self.scores,
+            **({"loaders": self.loaders} if self.loaders is not None else {}),
             **({"lr_control": self.lr_control} if self.lr_control is not None else {}),
         }
 
@@ -91,6 +96,7 @@ class TrainingState:
             accounting=state.get("accounting"),
             grads=state.get("grads"),
             scores=state.get("scores"),
+            loaders=state.get("loaders"),
         )
 
 

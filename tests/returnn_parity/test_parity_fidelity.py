@@ -119,6 +119,40 @@ def test_demo_rf_config_starts_from_returnns_weights(tmp_path):
     _same_weights(tmp_path / "returnn" / "model.002.pt", tmp_path / "kit" / "model.002.pt")
 
 
+@pytest.mark.parametrize("loader", ["", "torch_dataloader_opts = {'num_workers': 0}"])
+def test_returnns_global_config_and_behavior_version_reach_the_frontend(tmp_path, loader):
+    """RETURNN's frontend reads ``rf_*`` keys from RETURNN's global config and switches on ``behavior_version``:
+    a dropout that asks ``rf.dropout_broadcast_default()`` (as RETURNN's own modules do) trains the same masks
+    (drawn after the numbers RETURNN's DataLoader takes from torch's generator: kit.engine.loader_draws, with
+    RETURNN's default worker and without), and the step sees the same behavior version, under both tools."""
+    src = _demo_rf(tmp_path).read_text()
+    edits = {
+        "        x = rf.relu(self.layer2(x))\n":
+            "        x = rf.relu(self.layer2(x))\n"
+            "        x = rf.dropout(x, 0.3, axis=rf.dropout_broadcast_default() and self.layer2.out_dim)\n",
+        '    loss.mark_as_loss(name="ce")\n':
+            '    loss.mark_as_loss(name="ce")\n'
+            '    from returnn.util.basic import BehaviorVersion\n'
+            '    with open(os.environ["RUN_DIR"] + "/seen", "a") as f:\n'
+            '        f.write(f"{BehaviorVersion.get()} {rf.dropout_broadcast_default()}\\n")\n',
+        "num_epochs = 2": f"num_epochs = 2\nbehavior_version = 21\nrf_dropout_broadcast = False\n{loader}",
+    }
+    for old, new in edits.items():
+        assert old in src, old
+        src = src.replace(old, new)
+    config = tmp_path / "dropout.config"
+    config.write_text(src)
+    for runner in ("returnn", "kit"):
+        (tmp_path / runner).mkdir()
+        args = ["-m", "returnn", str(config)] if runner == "returnn" else ["-m", "kit", "train", str(config)]
+        run_python(args, env={"RUN_DIR": str(tmp_path / runner)})
+    seen_r, seen_k = ((tmp_path / r / "seen").read_text().splitlines() for r in ("returnn", "kit"))
+    assert set(seen_r) == {"21 False"} and seen_k == seen_r
+    steps_r, steps_k = ((tmp_path / r / "steps").read_text().split() for r in ("returnn", "kit"))
+    assert len(steps_r) > 10 and steps_k == steps_r
+    _same_weights(tmp_path / "returnn" / "model.002.pt", tmp_path / "kit" / "model.002.pt")
+
+
 def test_rf_module_config_without_returnn_says_what_to_install(tmp_path):
     config = _demo_rf(tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(NO_RETURNN)]), RUN_DIR=str(tmp_path))
