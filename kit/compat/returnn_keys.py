@@ -5,6 +5,9 @@ Statuses:
 - ``kit``: a kit key with RETURNN's meaning (see docs/config.md);
 - ``translated``: rewritten at the config boundary into kit's keys with RETURNN's meaning
   (``batching``, ``max_seqs=-1``);
+- ``to RETURNN``: kit does nothing with it but hands it, as RETURNN does, to RETURNN's own code that reads
+  it: RETURNN's global config and behaviour version around a RETURNN-style config's user code
+  (:mod:`kit.compat.global_config`; with RETURNN installed);
 - ``no effect``: nothing to do in kit (TensorFlow-only switches, ``backend="torch"``), accepted quietly
   when the value is RETURNN's default or the one kit implies, else treated as unsupported;
 - ``unsupported``: named in one warning when a config sets it, then ignored;
@@ -44,6 +47,10 @@ def _n(name: str, note: str, *quiet: Any) -> ReturnnKey:
     return ReturnnKey(name, "no effect", note, quiet)
 
 
+def _g(name: str, note: str) -> ReturnnKey:
+    return ReturnnKey(name, "to RETURNN", note)
+
+
 def _t(name: str, note: str) -> ReturnnKey:
     return ReturnnKey(name, "translated", note)
 
@@ -56,7 +63,7 @@ _OTHER: list[ReturnnKey] = [
     ReturnnKey("debug_shell_before_train_loop", "replaced", "an error that points to debug_hook (a shell cannot run in a notebook)"),
     _n("backend", "kit is the torch backend", "torch"),
     _n("use_tensorflow", "TensorFlow only", False, None),
-    _n("behavior_version", "switches of RETURNN's layers and frontend; kit has no layers"),
+    _g("behavior_version", "RETURNN's BehaviorVersion, set once per process (as RETURNN) for a config whose user code uses RETURNN: its frontend's defaults follow it; a second config asking for another version is a ConfigError"),
     _n("propagate_behavior_version_to_subprocs", "RETURNN's subprocesses"),
     _n("decouple_constraints", "weight decay is always decoupled in torch", True),
     _n("network", "TensorFlow network dict", None),
@@ -88,7 +95,7 @@ _OTHER: list[ReturnnKey] = [
     _u("forward_batch_size", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend); the torch engine forwards with batch_size / batch_size_dev"),
     _u("forward_use_search", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend)"),
     _u("gpu_local_cpu_affinity", "RETURNN (returnn/torch/util/gpu_cpu_affinity.py, default True) pins its process to the CPUs local to its GPU (Linux sysfs); kit does not pin yet"),
-    _u("inf_value", "read by RETURNN's frontend backends (get_global_inf_value) from RETURNN's global config, which kit does not set: an rf model under kit uses float('inf')"),
+    _g("inf_value", "read by RETURNN's frontend backends (get_global_inf_value) from RETURNN's global config, which kit sets around the config's user code"),
     _u("ipython", "RETURNN's own process: returnn/__main__.py starts an IPython kernel beside training; kit runs in Jupyter itself"),
     _u("log", "RETURNN's own log files (returnn/log.py); kit logs through Python's logging (the CLI to stderr), the run's event log and the trackers"),
     _u("log_batch_size"),
@@ -101,11 +108,11 @@ _OTHER: list[ReturnnKey] = [
     _u("output_file", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend); kit's forward: forward_callback, or `--output` (npz)"),
     _u("output_per_seq_file_format", "returnn/__main__.py passes it to eval_model for task='eval'; only RETURNN's TF engine takes it (returnn/torch/engine.py eval_model has no such parameter)"),
     _u("output_per_seq_format", "returnn/__main__.py passes it to eval_model for task='eval'; only RETURNN's TF engine takes it (returnn/torch/engine.py eval_model has no such parameter)"),
-    _u("packed_fallback_allowed", "read by RETURNN's frontend (returnn/frontend/_packed_backend.py) from RETURNN's global config, which kit does not set: an rf model under kit gets the frontend's default"),
+    _g("packed_fallback_allowed", "read by RETURNN's frontend (returnn/frontend/_packed_backend.py) from RETURNN's global config, which kit sets around the config's user code"),
     _n("pretrain_learning_rate", "RETURNN's network pretraining (returnn/pretrain.py, TF net dicts) and its learning_rate_control.py command-line tool; the torch engine has no pretraining", None),
     _u("reset_dev_memory_caches"),
-    *[_u(f"rf_{n}", "read by RETURNN's frontend modules (returnn/frontend/...) from RETURNN's global config, which "
-            "kit does not set: an rf model under kit gets the frontend's default")
+    *[_g(f"rf_{n}", "read by RETURNN's frontend modules (returnn/frontend/...) from RETURNN's global config, which "
+            "kit sets around the config's user code (kit.compat.global_config; parity-tested with rf_dropout_broadcast)")
       for n in ("att_dropout_broadcast", "batch_norm_distributed", "conformer_conv_norm_use_mask", "dropout_broadcast",
                 "module_output_keep_dtype", "moments_float32", "moments_use_fixed_masking", "native_opt",
                 "packed_att_fast_paths", "packed_warn_regap", "scatter_use_fixed_masking",
@@ -215,6 +222,8 @@ def translate(values: Mapping[str, Any], get: Callable[[str], Any]) -> tuple[dic
                 updates.update(_seq_ordering_for_train(value, lambda n: updates.get(n, get(n))))
         elif key.status == "no effect" and (not key.quiet_values or value in key.quiet_values):
             continue
+        elif key.status == "to RETURNN":  # RETURNN's global config holds it (kit.compat.global_config)
+            continue
         elif key.status != "kit":
             unsupported.append(name)
     return updates, unsupported
@@ -291,7 +300,9 @@ def returnn_keys_markdown() -> str:
         "Generated from `kit/compat/returnn_keys.py` by `python -m kit.config.docs`; do not edit by hand.",
         "",
         "Every key RETURNN's PyTorch engine reads. `kit`: same name and meaning (docs/config.md); "
-        "`translated`: rewritten into kit keys with RETURNN's meaning; `no effect`: nothing to do in kit; "
+        "`translated`: rewritten into kit keys with RETURNN's meaning; `to RETURNN`: handed to RETURNN's own code "
+        "(its global config and behaviour version, around a RETURNN-style config's user code); "
+        "`no effect`: nothing to do in kit; "
         "`unsupported`: a config that sets it gets one warning naming it, and it is ignored.",
         "",
         "Counts: " + ", ".join(f"{status} {n}" for status, n in sorted(counts.items())),

@@ -69,6 +69,7 @@ def test_loading_a_config_leaves_no_returnn_stand_in_behind(tmp_path):
 def test_unsupported_returnn_keys_are_named_in_one_warning(tmp_path, caplog):
     path = tmp_path / "c.config"
     path.write_text("forward_batch_size = 10\nwindow = 3\nbackend = 'torch'\nbatching = 'sorted'\n"
+                    "rf_dropout_broadcast = False\nbehavior_version = 21\n"
                     "train = {'class': 'Task12AXDataset', 'num_seqs': 5}\nmax_seqs = -1\n")
     with caplog.at_level(logging.WARNING, logger="kit"):
         config = kit.Config.from_file(path)
@@ -76,6 +77,7 @@ def test_unsupported_returnn_keys_are_named_in_one_warning(tmp_path, caplog):
     assert len(warnings) == 1
     assert "'forward_batch_size'" in warnings[0] and "'window'" in warnings[0]
     assert "backend" not in warnings[0]  # 'torch': no effect, nothing to warn about
+    assert "rf_" not in warnings[0] and "behavior" not in warnings[0]  # handed to RETURNN (kit.compat.global_config)
     assert config.typed_value("train")["seq_ordering"] == "sorted"  # RETURNN's batching
     assert config.typed_value("max_seqs") is None  # RETURNN's -1: no limit
     assert "forward_batch_size" not in config.user_globals  # not silently kept
