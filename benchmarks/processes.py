@@ -8,7 +8,9 @@ sequences, Adam, batches of ``--max-seqs`` sequences in RETURNN's usual training
 (``laplace``: neighbouring batches of similar length, so the ranks' steps take similar time).
 Compute-bound means the step's arithmetic dominates its gradient all-reduce: at 40 sequences
 (~2,400 frames) per batch the all-reduce of 8 MB is a few percent of a step; at 10 (~600 frames)
-it is several times larger in proportion — both are printed, so the dependence shows. Every
+it is several times larger in proportion — both are printed, so the dependence shows, each beside a
+plain torch loop (the same MLP under ``DistributedDataParallel`` on gloo, no kit) on as many frames:
+what the machine and gloo's all-reduce allow. Every
 process has one torch thread (the kernel's run sets ``torch.set_num_threads(1)``, the workers get
 ``threads // N``: run it with ``OMP_NUM_THREADS=2`` or more on a 2-core machine so that each of
 the 2 workers gets one). Throughput is the train batches per second of the warm epochs (the
@@ -93,6 +95,54 @@ def throughput(args: argparse.Namespace, folder: str, max_seqs: int) -> tuple[fl
     return totals[1][1] / totals[1][0], totals[2][1] / totals[2][0], two
 
 
+def _plain_rank(rank: int, world: int, port: int, hidden: int, frames: int, steps: int, out: Any) -> None:
+    """One process of the plain torch loop: the same MLP, Adam, ``frames`` frames a step; DDP over gloo when
+    ``world`` > 1. Puts its seconds per step."""
+    import os
+
+    torch.set_num_threads(1)
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model: torch.nn.Module = MLP(hidden)
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    x, y = torch.randn(frames, 9), torch.randint(0, 2, (frames,))
+    for i in range(steps + 2):  # two warm-up steps
+        if i == 2:
+            started = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    out.put((time.perf_counter() - started) / steps)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def plain_ddp_ratio(hidden: int, frames: int, steps: int = 20) -> float:
+    """Throughput of 2 plain DDP processes over 1 plain process (torch alone: what the machine and gloo allow)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    secs = {}
+    for world in (1, 2):
+        with socket.socket() as s:  # a free port for the rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_plain_rank, args=(r, world, port, hidden, frames, steps, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        secs[world] = max(out.get(timeout=600) for _ in procs)
+        for p in procs:
+            p.join()
+    return 2 * secs[1] / secs[2]
+
+
 def event_log_cost() -> float:
     """Seconds per step the CLI's event log adds off its log interval."""
     from kit.eventlog import EventLog
@@ -132,6 +182,10 @@ def main() -> None:
                           ">= 1.7x" if i == 0 else "")
                 if i == 0:
                     per_call_rows(two, args, table)
+            frames = 60 * max_seqs  # Task12AX sequences are ~60 frames long
+            plain = plain_ddp_ratio(args.hidden, frames)
+            print(f"plain torch DDP (gloo), {frames} frames a step: 2 processes / 1 = {plain:.2f}x")
+            table.add(f"the same with a plain torch DDP loop, {frames} frames a step", f"{plain:.2f}x", "")
     log = event_log_cost()
     print(f"event log per step: {log * 1e6:.2f} µs ({log / 0.5e-3:.2%} of a 0.5 ms step)")
     table.add("event log, per step of a CLI run", f"{log * 1e6:.2f} µs", "<= 1 % of a step")
