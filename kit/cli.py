@@ -198,12 +198,13 @@ def _stopped(engine: Any, reason: str, args: argparse.Namespace, main: bool) -> 
         status = 1
     p = engine.progress
     saved = engine.last_checkpoint
-    if engine.model_prefix and (saved is None or saved.global_train_step != p.global_train_step):
+    if engine.writes_files and (saved is None or saved.global_train_step != p.global_train_step):
         saved = engine.save_checkpoint(kind="step")
     if main:
         where = f"epoch {p.epoch}, step {p.step_in_epoch} (global step {p.global_train_step})"
         if saved is None:
-            print(f"kit: stopped by {name} at {where}; nothing saved (no 'model' set)", file=sys.stderr)
+            why = "dry_run is set" if engine.config.bool("dry_run") else "no 'model' set"
+            print(f"kit: stopped by {name} at {where}; nothing saved ({why})", file=sys.stderr)
         else:
             again = " ".join(shlex.quote(a) for a in ["python", "-m", "kit", "train", args.config, *args.overrides])
             print(f"kit: stopped by {name} at {where}; saved {saved.name}. Resume with: {again}", file=sys.stderr)

@@ -154,9 +154,10 @@ class EventLog:
 
 
 def attach_to(engine: Any, request: Callable[[str], None]) -> EventLog | None:
-    """The CLI's event log on ``engine``'s bus (rank 0 writes; every rank polls with it); None without ``model``."""
+    """The CLI's event log on ``engine``'s bus (rank 0 writes; every rank polls with it); None without ``model``
+    or under ``dry_run``."""
     prefix = engine.model_prefix
-    if not prefix:
+    if not prefix or engine.config.bool("dry_run"):  # RETURNN's dry_run writes nothing
         return None
     config = engine.config
     dist = engine.dist

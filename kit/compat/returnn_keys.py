@@ -85,7 +85,6 @@ _OTHER: list[ReturnnKey] = [
     _n("context_window", "a RETURNN Dataset default (returnn/datasets/basic.py) used only by Dataset._iterate_seqs, the TF engine's chunking; RETURNN's torch engine chunks in returnn/torch/data/pipeline.py, which ignores it", None),
     _u("data_key", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data) and TF networks; kit has no such task'),
     _t("dataset_random_seed_offset", "the random_seed_offset of every dataset dict (train, dev, eval, eval_datasets, forward_data) of a kit or RETURNN class that sets none, as RETURNN's Dataset default; dataset objects and custom classes keep their own"),
-    _u("dry_run", "RETURNN (returnn/util/basic.py should_write_to_disk, returnn/__main__.py) writes nothing: no checkpoints, score file or cleanup; kit has no write-nothing mode yet (a notebook Session with no model prefix writes no checkpoints)"),
     _u("dummy_dataset_num_seqs", "RETURNN's use_dummy_datasets (returnn/__main__.py setup_dummy_datasets: DummyGenericDataset from extern_data); kit does not replace datasets by dummies yet"),
     _u("epoch", "RETURNN's task='eval' (returnn/__main__.py: the epoch to evaluate, set as load_epoch) and its analyze_data task; kit's eval takes load_epoch"),
     _u("epoch_end"),

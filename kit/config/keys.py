@@ -484,6 +484,7 @@ _KEYS: list[Key] = [
     _k("checkpoints", "learning_rate_file", "str", None, "score table file (default {model}.scores.json beside the checkpoints)", optional_str),
     _k("checkpoints", "save_interval", "int", 1, "save a checkpoint every N epochs (and always the final one)", positive_int),
     _k("checkpoints", "save_every_n_steps", "int", None, "also save a step checkpoint every N train steps", optional_positive_int),
+    _k("checkpoints", "dry_run", "bool", False, "RETURNN's: train, read checkpoints and score files as usual, but write nothing (no checkpoint, score file, lock, cleanup or event log)", boolean),
     _k("checkpoints", "cleanup_old_models", "bool | dict", None, "keep_last_n, keep_best_n, keep, dry_run", cleanup_spec),
     _k("checkpoints", "apply_cleanup_old_models_to_optim_states", "bool", False, "RETURNN's: False keeps the optimizer states of the last two epochs only (epoch N's save deletes N-2's .opt.pt); True leaves them to cleanup_old_models", boolean),
     _k("checkpoints", "preload_from_files", "dict", None, "name -> {filename, prefix, checkpoint_key, ignore_params, ..., init_for_train}", preload_spec),

@@ -47,7 +47,9 @@ def build_parts(config: Config, events: Events, *, training: bool) -> tuple[Buil
         check_error_measure(config, ["train", *parts.eval_datasets(datasets)])
     lock = None
     prefix = config.typed_value("model")
-    if prefix and training and (dist is None or dist.is_main):
+    if config.bool("dry_run") and training:
+        logger.warning("dry_run is set: this run writes nothing (no checkpoint, score file or event log)")
+    if prefix and training and (dist is None or dist.is_main) and not config.bool("dry_run"):
         from kit.checkpoints.lock import PrefixLock
 
         lock = PrefixLock.acquire(prefix)  # 'model' writable and ours, before any file is read or written
@@ -63,7 +65,7 @@ def build_parts(config: Config, events: Events, *, training: bool) -> tuple[Buil
 def _build_model(config: Config, events: Events, training: bool, device: Any, dist: Any, datasets: Any,
                  extern_data: Any) -> tuple[Built, start_.Start]:
     scores = parts.open_score_table(config)
-    if dist and not dist.is_main:  # rank 0 alone writes the score file
+    if (dist and not dist.is_main) or config.bool("dry_run"):  # rank 0 alone writes the score file; dry_run: none
         scores.path = None
     start = start_.find_start(config, scores, training=training)
     start_.warn_config_changes(config, start)

@@ -34,7 +34,7 @@ from kit.engine.progress import Progress
 from kit.engine.run_hooks import RunHooks
 from kit.engine.state import TrainingState, cpu_copy, detached_copy
 from kit.engine.step import StepOptions, StepResult
-from kit.errors import DataError, KitError
+from kit.errors import ConfigError, DataError, KitError
 from kit.events import (
     CheckpointSaved,
     EpochBegin,
@@ -199,6 +199,11 @@ class Engine:
         return self._lock
 
     @property
+    def writes_files(self) -> bool:
+        """Whether this run writes checkpoints (False under RETURNN's ``dry_run`` and without ``model``)."""
+        return bool(self.model_prefix) and not self.config.bool("dry_run")
+
+    @property
     def last_checkpoint(self) -> Checkpoint | None:
         return self._last_checkpoint
 
@@ -317,7 +322,8 @@ class Engine:
         if result.step % opts.log_every == 0 and logger.isEnabledFor(logging.INFO):
             self.read_guard()
             logger.info(format_step_line(result.epoch, result.step, result.losses, self._wall_per_step(result)))
-        if opts.save_every and p.global_train_step % opts.save_every == 0 and not t.guard.retraining:
+        if (opts.save_every and p.global_train_step % opts.save_every == 0 and not t.guard.retraining
+                and self.writes_files):
             self.save_checkpoint(kind="step")
         if self._calls == 0:  # a bare call (outside any driver's call) reads the flag
             self.read_guard()
@@ -421,7 +427,7 @@ class Engine:
         p.end_epoch()
         logger.info("finished epoch %d: %s", epoch, format_scores(table.scores(epoch)))
         self.save_scores()
-        if self.model_prefix and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
+        if self.writes_files and (epoch % self.config.int("save_interval") == 0 or epoch >= self.final_epoch):
             self.save_checkpoint(kind="epoch", epoch=epoch)
         if p.epoch <= self.final_epoch:  # newbob decides with this epoch's scores; stored when epoch e+1 starts,
             # so the score file holds exactly one row per finished epoch (as RETURNN's after a crash); computed
@@ -642,6 +648,8 @@ class Engine:
 
     def save_checkpoint(self, *, kind: str = "step", epoch: int | None = None) -> Checkpoint:
         """Write a checkpoint of the whole training state now (epoch or mid-epoch step)."""
+        if self.config.bool("dry_run"):
+            raise ConfigError("dry_run is set: this run writes nothing (unset dry_run to save checkpoints)")
         b, _ = self._parts()
         self.read_guard()  # never a checkpoint of a state the guard would rewind
         p = self._progress

@@ -165,3 +165,28 @@ def test_epoch_names_the_checkpoint_of_the_eval_command():
     assert _eval_epoch(kit.Config(epoch=2, load_epoch=2)).typed_value("load_epoch") == 2
     with pytest.raises(ConfigError, match="have to match"):
         _eval_epoch(kit.Config(epoch=2, load_epoch=3))
+
+
+def test_dry_run_reads_the_run_but_writes_nothing(tmp_path):
+    """RETURNN's dry_run: the run continues from its newest checkpoint and trains, but not one file is written
+    (no checkpoint, score file, lock, cleanup or event log); a save asked for by hand is refused."""
+    prefix = tmp_path / "run" / "model"
+    first = Engine(kit.Config(tiny_config(str(prefix), num_epochs=1)))
+    try:
+        first.setup()
+        first.train()
+    finally:
+        first.close()
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in prefix.parent.iterdir()}
+    assert "model.001.pt" in before  # negative control: without dry_run the run wrote
+    engine = Engine(kit.Config(tiny_config(str(prefix), num_epochs=2, dry_run=True)))
+    try:
+        engine.setup()
+        assert engine.progress.epoch == 2  # read: continues after model.001
+        assert engine.train() is True and engine.progress.epoch == 3
+        with pytest.raises(ConfigError, match="dry_run"):
+            engine.save_checkpoint(kind="step")
+    finally:
+        engine.close()
+    after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in prefix.parent.iterdir()}
+    assert after == before
