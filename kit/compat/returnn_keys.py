@@ -147,7 +147,7 @@ _OTHER: list[ReturnnKey] = [
 
 # RETURNN keys that kit has under the same name with RETURNN's meaning
 _SAME = (
-    "accum_grad_multiple_step allow_skipping_seqs_in_forward apply_cleanup_old_models_to_optim_states batch_size batch_size_dev batch_size_train chunking cleanup_old_models dev device "
+    "accum_grad_multiple_step allow_skipping_seqs_in_forward apply_cleanup_old_models_to_optim_states batch_size batch_size_dev batch_size_train chunking cleanup_old_models dev device dry_run "
     "dynamic_learning_rate eval eval_datasets extern_data forward_auto_split_batch_on_oom forward_callback "
     "forward_data forward_step get_model grad_clip grad_scaler gradient_clip gradient_clip_global_norm gradient_noise "
     "import_model_train_epoch1 learning_rate learning_rate_control learning_rate_control_error_measure "
