@@ -85,7 +85,7 @@ _OTHER: list[ReturnnKey] = [
     _n("context_window", "a RETURNN Dataset default (returnn/datasets/basic.py) used only by Dataset._iterate_seqs, the TF engine's chunking; RETURNN's torch engine chunks in returnn/torch/data/pipeline.py, which ignores it", None),
     _u("data_key", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data) and TF networks; kit has no such task'),
     _t("dataset_random_seed_offset", "the random_seed_offset of every dataset dict (train, dev, eval, eval_datasets, forward_data) of a kit or RETURNN class that sets none, as RETURNN's Dataset default; dataset objects and custom classes keep their own"),
-    _u("dummy_dataset_num_seqs", "RETURNN's use_dummy_datasets (returnn/__main__.py setup_dummy_datasets: DummyGenericDataset from extern_data); kit does not replace datasets by dummies yet"),
+    _t("dummy_dataset_num_seqs", "with use_dummy_datasets: the sequences of each dummy dev/eval dataset (RETURNN's default: a twentieth of train's, else 100)"),
     _u("epoch", "RETURNN's task='eval' (returnn/__main__.py: the epoch to evaluate, set as load_epoch) and its analyze_data task; kit's eval takes load_epoch"),
     _u("epoch_end"),
     _u("epoch_start"),
@@ -135,8 +135,8 @@ _OTHER: list[ReturnnKey] = [
     _u("torch_optimizer_step", "RETURNN (returnn/torch/updater.py, returnn/torch/util/optimizer_step.py) compiles and CUDA-graph-captures the optimizer step separately; kit runs the optimizer step eagerly (torch_cuda_graph's capture_optimizer captures it with the step)"),
     _u("torch_profile"),
     _u("torch_watch_stall", "see docs/config.md"),
-    _u("train_dummy_dataset_num_seqs", "RETURNN's use_dummy_datasets (returnn/__main__.py setup_dummy_datasets); kit does not replace datasets by dummies yet"),
-    _u("use_dummy_datasets", "RETURNN (returnn/__main__.py setup_dummy_datasets) replaces train/dev/eval by DummyGenericDataset from extern_data; kit does not replace datasets by dummies yet"),
+    _t("train_dummy_dataset_num_seqs", "with use_dummy_datasets: the dummy train dataset's sequences (RETURNN's default 1000)"),
+    _t("use_dummy_datasets", "train/dev/eval/forward_data/eval_datasets become RETURNN's DummyGenericDataset over extern_data, as RETURNN's setup_dummy_datasets makes them (needs RETURNN installed)"),
     _u("use_lovely_tensors"),
     _u("use_train_proc_manager", "RETURNN's own process model (returnn/util/train_proc_manager.py restarts its process after a crash); kit runs in the caller's process or under torchrun"),
     _u("wandb_opts"),
@@ -199,6 +199,35 @@ def _seed_offset_for_datasets(value: Any, get: Callable[[str], Any]) -> dict[str
     return updates
 
 
+def _dummy_datasets(get: Callable[[str], Any]) -> dict[str, Any]:
+    """RETURNN's ``use_dummy_datasets``: every configured dataset becomes a ``DummyGenericDataset`` of random data
+    shaped by ``extern_data`` (as RETURNN's ``setup_dummy_datasets``: its sequence counts and seeds)."""
+    from zlib import crc32
+
+    extern_data = get("extern_data")
+    if not extern_data:
+        from kit.errors import ConfigError
+
+        raise ConfigError("config key 'use_dummy_datasets': needs 'extern_data' (the dummy data's shapes)")
+
+    def dummy(num_seqs: int, seed_key: str | None) -> dict[str, Any]:
+        spec = {"class": "DummyGenericDataset", "data_template": extern_data, "num_seqs": num_seqs}
+        return spec if seed_key is None else {**spec, "fixed_random_seed": crc32(seed_key.encode("utf8"))}
+
+    updates: dict[str, Any] = {}
+    num_seqs = get("dummy_dataset_num_seqs")
+    if get("train"):
+        train_num_seqs = get("train_dummy_dataset_num_seqs") or num_seqs or 1000
+        num_seqs = num_seqs or max(int(train_num_seqs) // 20, 1)
+        updates["train"] = dummy(int(train_num_seqs), None)
+    num_seqs = int(num_seqs or 100)
+    updates.update({key: dummy(num_seqs, key) for key in ("dev", "eval", "forward_data") if get(key)})
+    evals = get("eval_datasets")
+    if isinstance(evals, Mapping) and evals:
+        updates["eval_datasets"] = {key: dummy(num_seqs, key) for key in evals}
+    return updates
+
+
 def translate(values: Mapping[str, Any], get: Callable[[str], Any]) -> tuple[dict[str, Any], list[str]]:
     """RETURNN-only keys of ``values`` rewritten into kit keys; the names of unsupported ones.
 
@@ -214,7 +243,12 @@ def translate(values: Mapping[str, Any], get: Callable[[str], Any]) -> tuple[dic
         key = RETURNN_KEYS.get(name)
         if key is None or name in KEYS:
             continue
-        if name == "dataset_random_seed_offset":
+        if name == "use_dummy_datasets":
+            if value:
+                updates.update(_dummy_datasets(lambda n: updates.get(n, get(n))))
+        elif name in ("dummy_dataset_num_seqs", "train_dummy_dataset_num_seqs"):
+            continue  # read by use_dummy_datasets
+        elif name == "dataset_random_seed_offset":
             updates.update(_seed_offset_for_datasets(value, lambda n: updates.get(n, get(n))))
         elif name == "batching":
             if value is not None:
