@@ -76,7 +76,7 @@ _OTHER: list[ReturnnKey] = [
     _u("PYTORCH_CUDA_ALLOC_CONF"),
     _n("__debug_dummy_distributed_rank_and_size", "RETURNN's own test hook (returnn/datasets/basic.py: a faked (rank, size) for its dataset sharding tests); kit's ranks come from torchrun", None),
     _u("analyze_dataset", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data: dataset statistics files); kit has no such task (`python -m kit` has train / eval / forward / scores / checkpoints)'),
-    _u("cache_size", "RETURNN's HDF cache budget (returnn/__main__.py get_cache_byte_sizes, passed to RETURNN's own HDFDataset as cache_byte_size); kit's HDFDataset reads sequences on demand and has no cache budget yet"),
+    _n("cache_size", "a memory budget for RETURNN's preloading cache (returnn/__main__.py get_cache_byte_sizes, given to RETURNN's CachedDataset classes as cache_byte_size): it changes memory, not results; kit's HDFDataset reads on demand with a bounded set of open files (docs/data_prefetch.md)"),
     _u("calculate_exp_loss"),
     _n("check_learning_rates", 'read only by the command-line tool in returnn/learning_rate_control.py (its demo(), which replays a learning-rate file); training never reads it', None),
     _n("chunk_eval", "RETURNN's Dataset.get_default_kwargs_eval: chunking inside RETURNN's dev/eval Dataset objects, which only the TF engine's batches use; RETURNN's torch engine chunks in its pipeline from `chunking` (kit: chunking_in_eval)", None),
