@@ -104,13 +104,6 @@ def check_throughput(w: e.Workload, rounds: int = 15, turn: int = 8) -> None:
     loop.loss_sum, loop.frames = loop.loss_sum.to(DEVICE), loop.frames.to(DEVICE)
     sess = session(copy.deepcopy(base).to(DEVICE), w, torch_amp="bfloat16")
 
-    def timed(fn: Any) -> float:
-        synchronize()
-        t = time.perf_counter()
-        fn()
-        synchronize()
-        return time.perf_counter() - t
-
     loop.run(3)
     sess.train_steps(3)
     ratios, per_step = [], []
@@ -149,13 +142,6 @@ def check_cuda_graph(w: e.Workload, rounds: int = 9, turn: int = 8) -> None:
         sess.train_steps(4)  # graphed: captured at its first step
     same = max(abs(a - b) / abs(a) for a, b in zip(losses["eager"], losses["graphed"]))
     row("cuda graph: step losses, graphed vs eager", f"max rel diff {same:.1e} over 4 steps", same < 1e-3)
-
-    def timed(fn: Any) -> float:
-        synchronize()
-        t = time.perf_counter()
-        fn()
-        synchronize()
-        return time.perf_counter() - t
 
     loop.run(3)
     vs_eager, vs_loop, graphed_ms = [], [], []
@@ -214,6 +200,15 @@ def check_overlap(w: e.Workload, rounds: int = 7, turn: int = 8) -> None:
     med = statistics.median(ratios)
     row("overlap: step on HDF / in memory", f"{med:.3f}x (in memory {statistics.median(per_step) * 1e3:.2f} ms/step)",
         med <= 1.03 if DEVICE == "cuda" else None)
+
+
+def timed(fn: Any) -> float:
+    """Seconds of ``fn()`` with the device's queue drained before and after."""
+    synchronize()
+    t = time.perf_counter()
+    fn()
+    synchronize()
+    return time.perf_counter() - t
 
 
 def synchronize() -> None:
@@ -342,7 +337,8 @@ def check_processes(w: e.Workload, steps: int = 20) -> None:
     started = time.perf_counter()
     result = sess.train_steps(steps, processes=n)
     seconds = time.perf_counter() - started
-    home = sess.progress.global_train_step == result.global_train_step == first.global_train_step + steps
+    # train_steps reports its last step's position; the session's progress is the next step's
+    home = result.global_train_step == first.global_train_step + steps == sess.progress.global_train_step - 1
     startup = kit.multiproc.startup_secs(sess) or float("nan")
     row(f"processes={n} (after CUDA init here)", f"start-up {startup:.1f} s, {steps / seconds:.1f} steps/s per rank "
         f"({n} ranks), state home: {'yes' if home else 'NO'}", home)
