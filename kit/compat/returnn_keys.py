@@ -122,7 +122,7 @@ _OTHER: list[ReturnnKey] = [
     _u("search_output_file", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search()"),
     _u("search_output_file_format", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search()"),
     _u("search_output_layer", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search() (output layers of a net dict)"),
-    _u("shuffle_frames_of_nseqs", "a RETURNN Dataset default for training (returnn/datasets/basic.py load_seqs: frames shuffled across n sequences, implemented by its CachedDataset/GeneratingDataset/Sprint); kit's datasets do not shuffle frames yet"),
+    _u("shuffle_frames_of_nseqs", "a RETURNN Dataset default for training (returnn/datasets/basic.py load_seqs); in RETURNN 1.20261022 only CachedDataset (its HDFDataset) implements the frame shuffle, and only while preloading into its cache (cache_size; with the cache off it fails an assertion); GeneratingDataset, MetaDataset and the Sprint datasets assert it is 0, the CachedDataset2 classes raise OptionalNotImplementedError. kit's HDFDataset reads on demand and has no cache, so no kit dataset has an equivalent"),
     _u("sort_dataset"),
     _u("startup_callback"),
     _u("statistics", "RETURNN's task='analyze' (returnn/__main__.py): only RETURNN's TF engine has analyze(); kit has no such task"),
@@ -143,7 +143,6 @@ _OTHER: list[ReturnnKey] = [
     _u("wandb_opts"),
     _u("watch_memory"),
     _u("web_server_port", "RETURNN's task='search_server' (returnn/__main__.py): only RETURNN's TF engine has web_server()"),
-    _u("window", "a RETURNN Dataset default (returnn/datasets/basic.py: a sliding window over the input features, done by its CachedDataset/GeneratingDataset); kit's datasets have no window yet"),
 ]
 
 # RETURNN keys that kit has under the same name with RETURNN's meaning
