@@ -160,7 +160,7 @@ _SAME = (
     "packed_batch_cost_dev packed_batch_cost_train packed_batch_size packed_batch_size_dev packed_batch_size_train "
     "preload_from_files "
     "random_seed save_interval start_batch start_epoch stop_on_nonfinite_train_score task torch_amp torch_dataloader_opts "
-    "torch_batching torch_distributed torch_log_memory_usage train train_step use_tensorboard tensorboard_opts"
+    "torch_batching torch_distributed torch_log_memory_usage train train_step use_tensorboard tensorboard_opts window"
 ).split()
 
 RETURNN_KEYS: dict[str, ReturnnKey] = {k.name: k for k in _OTHER}
