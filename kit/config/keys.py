@@ -414,7 +414,7 @@ _KEYS: list[Key] = [
     _k("data", "min_chunk_size", "int | dict", None, "drop final chunks shorter than this", int_or_per_key()),
     _k("data", "chunking_in_eval", "bool", True, "chunk eval datasets too, as RETURNN's torch engine does; False evaluates whole sequences", boolean),
     _k("data", "online_shuffle_batches", "int | dict", None, "RETURNN's: train batches shuffled within blocks of this many (or {'buffer_size': n}); complete_frac stays in order", _online_shuffle_spec),
-    _k("data", "window", "int", None, "RETURNN's Dataset default: the input features ('data') as a sliding window over time, each frame with its window//2 neighbours on either side (zero-padded), [T, D*window]; odd. Given to every train/dev/eval/eval_datasets dict that sets none: kit's Task12AXDataset and RETURNN's own classes apply it (RETURNN's GeneratingDataset, HDFDataset, ...); another kit class refuses a window > 1, as RETURNN's MetaDataset does. Declare extern_data 'data' with dim D*window", odd_window),
+    _k("data", "window", "int", None, "RETURNN's Dataset default: the input features ('data') as a sliding window over time, each frame with its window//2 neighbours on either side (zero-padded), [T, D*window]; odd. Given to every train/dev/eval/eval_datasets dict that sets none: kit's Task12AXDataset and HDFDataset and RETURNN's own classes (through the adapter) apply it; another kit class refuses a window > 1, as RETURNN's MetaDataset does. Declare extern_data 'data' with dim D*window", odd_window),
     _k("data", "seq_ordering", "str", None, "override the datasets' own seq_ordering for training", seq_ordering_spec),
     _k("data", "torch_dataloader_opts", "dict", None, "{'num_workers': k, ...}; workers never duplicate data",
        dataloader_opts_spec),

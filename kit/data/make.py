@@ -141,7 +141,7 @@ def _with_config_defaults(cls: type, opts: dict[str, Any], given: Mapping[str, A
             raise ConfigError(
                 f"config key {name!r} = {value!r}: dataset class {cls.__name__} has no {name} option "
                 f"(RETURNN's MetaDataset refuses one too; kit does not ignore it); set it in the dicts of the datasets "
-                f"that take it (Task12AXDataset, RETURNN's GeneratingDataset / HDFDataset classes) instead"
+                f"that take it (Task12AXDataset, HDFDataset, RETURNN's GeneratingDataset classes) instead"
             )
     return out
 

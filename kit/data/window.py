@@ -3,7 +3,8 @@
 With ``window = w`` (odd), frame ``t`` of a ``[T, D]`` input becomes frames ``t - w//2 .. t + w//2``
 side by side (``[T, D * w]``, the earliest first), with zero frames beyond the sequence's edges.
 RETURNN's generated and cached datasets (``GeneratingDataset`` such as ``Task12AXDataset``,
-``HDFDataset``) do this to the ``data`` key when the config or the dataset dict sets ``window``.
+``HDFDataset``; kit's Task12AXDataset and HDFDataset) do this to the ``data`` key when the config
+or the dataset dict sets ``window``.
 """
 
 from __future__ import annotations

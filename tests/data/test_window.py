@@ -61,3 +61,16 @@ def test_window_on_sparse_input_is_refused_naming_the_key():
         build_datasets(Config({"train": {"class": "ArrayDataset", "seqs": seqs}, "window": 3}))
     # window 1 (no window) is fine for any class, as in RETURNN
     assert build_datasets(Config({"train": {"class": "ArrayDataset", "seqs": seqs}, "window": 1}))["train"].num_seqs == 1
+
+
+def test_hdf_window_needs_dense_inputs(tmp_path):
+    from kit.data.hdf import HDFDataset, write_hdf
+
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    write_hdf(tmp_path / "dense.hdf", [{"data": x, "classes": np.array([0, 1, 0, 1])}])
+    ds = HDFDataset([str(tmp_path / "dense.hdf")], window=3)
+    assert np.array_equal(ds.get_seq(0)["data"], sliding_window(x, 3)) and ds.extern_data["data"]["shape"] == (None, 9)
+    write_hdf(tmp_path / "sparse.hdf", [{"data": np.array([1, 2, 3]), "classes": np.array([0, 1, 0])}])
+    with pytest.raises(ConfigError, match="window=3 needs dense"):
+        HDFDataset([str(tmp_path / "sparse.hdf")], window=3)
+    assert HDFDataset([str(tmp_path / "sparse.hdf")]).get_seq(0)["data"].shape == (3,)  # without a window: fine

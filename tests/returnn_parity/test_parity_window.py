@@ -68,3 +68,35 @@ def test_the_config_window_reaches_returnn_classes_through_the_adapter():
     plain = build_datasets(Config({"train": spec}))["train"]  # negative control: no window, 4 features
     plain.init_epoch(1)
     assert plain.get_seq(0)["data"].shape == (5, 4)
+
+
+@needs_returnn
+def test_hdf_window_equals_returnn(tmp_path):
+    from returnn.datasets.hdf import HDFDataset as ReturnnHDF
+
+    from kit.data.hdf import write_hdf
+
+    rng = np.random.RandomState(3)
+    seqs = [{"data": rng.uniform(-1, 1, (n, 4)).astype("float32"), "classes": rng.randint(0, 3, n).astype("int32")}
+            for n in (5, 1, 7)]
+    path = str(tmp_path / "w.hdf")
+    write_hdf(path, seqs)
+    kit_ds = build_datasets_for({"class": "HDFDataset", "files": [path]}, window=5)
+    ref = ReturnnHDF(files=[path], window=5, cache_byte_size=0)
+    ref.initialize()
+    ref.init_seq_order(epoch=1)
+    ref.load_seqs(0, 3)
+    assert ref.get_data_dim("data") == 20 and kit_ds.extern_data["data"]["shape"] == (None, 20)
+    for i in range(3):
+        got = kit_ds.get_seq(i)
+        assert got["data"].shape[1] == 20 and np.array_equal(got["data"], ref.get_data(i, "data"))
+        assert np.array_equal(got["classes"], ref.get_data(i, "classes"))
+
+
+def build_datasets_for(spec: dict, **keys) -> object:
+    from kit.config import Config
+    from kit.engine.parts import build_datasets
+
+    ds = build_datasets(Config({"train": spec, **keys}))["train"]
+    ds.init_epoch(1)
+    return ds
