@@ -80,6 +80,15 @@ def optional_str(v: Any) -> str | None:
     return None if v is None or isinstance(v, str) else "a string or None"
 
 
+def odd_window(v: Any) -> str | None:
+    """RETURNN's ``window``: None, or an odd int >= 1 (an even one has no centre frame)."""
+    if v is None:
+        return None
+    if not _is_int(v) or v < 1:
+        return "an odd int >= 1 (1: no window)"
+    return "an odd int >= 1 (an even window has no centre frame)" if v % 2 == 0 else None
+
+
 def one_of(*choices: Any) -> Check:
     def check(v: Any) -> str | None:
         return None if v in choices else "one of " + ", ".join(repr(c) for c in choices)
@@ -405,6 +414,7 @@ _KEYS: list[Key] = [
     _k("data", "min_chunk_size", "int | dict", None, "drop final chunks shorter than this", int_or_per_key()),
     _k("data", "chunking_in_eval", "bool", True, "chunk eval datasets too, as RETURNN's torch engine does; False evaluates whole sequences", boolean),
     _k("data", "online_shuffle_batches", "int | dict", None, "RETURNN's: train batches shuffled within blocks of this many (or {'buffer_size': n}); complete_frac stays in order", _online_shuffle_spec),
+    _k("data", "window", "int", None, "RETURNN's Dataset default: the input features ('data') as a sliding window over time, each frame with its window//2 neighbours on either side (zero-padded), [T, D*window]; odd. Given to every train/dev/eval/eval_datasets dict that sets none: kit's Task12AXDataset and HDFDataset and RETURNN's own classes (through the adapter) apply it; another kit class refuses a window > 1, as RETURNN's MetaDataset does. Declare extern_data 'data' with dim D*window", odd_window),
     _k("data", "seq_ordering", "str", None, "override the datasets' own seq_ordering for training", seq_ordering_spec),
     _k("data", "torch_dataloader_opts", "dict", None, "{'num_workers': k, ...}; workers never duplicate data",
        dataloader_opts_spec),

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kit.data.dataset import Dataset, SeqDict
+from kit.data.window import check_window, sliding_window
 from kit.errors import ConfigError, DataError
 from kit.fileio import check_regular_file
 
@@ -150,6 +151,8 @@ class HDFDataset(Dataset):
         use_cache_manager, cache_byte_size: RETURNN's caching options; kit always reads on
             demand, so ``cache_byte_size`` is accepted and has no effect, and a true
             ``use_cache_manager`` (RETURNN's cluster file cache) is refused.
+        window: RETURNN's ``window`` (odd; the config key's value when the dict sets none): the
+            ``inputs`` (key ``data``) as a sliding window over time, ``[T, D * window]``; needs dense inputs.
         **opts: the Dataset options (``seq_ordering``, ``partition_epoch``, ``fixed_random_seed``, ...).
     """
 
@@ -159,10 +162,12 @@ class HDFDataset(Dataset):
         *,
         use_cache_manager: bool = False,
         cache_byte_size: int | None = None,
+        window: int | None = None,
         **opts: Any,
     ):
         super().__init__(**opts)
         del cache_byte_size
+        self.window = check_window(window, "HDFDataset")
         if use_cache_manager:
             raise ConfigError("HDFDataset: use_cache_manager=True (RETURNN's cluster cache) is not supported by kit")
         if isinstance(files, (str, os.PathLike)):
@@ -178,6 +183,10 @@ class HDFDataset(Dataset):
         except BaseException:
             self.close()  # HDF5 keeps an open file for its path: a fixed file must not be read through it
             raise
+        if self.window > 1 and (not self._index[0].has_inputs or self.sparse["data"] or len(self.shapes["data"]) != 1):
+            self.close()
+            raise ConfigError(f"HDFDataset: window={self.window} needs dense [time, feature] inputs; {self.files[0]} "
+                              f"has {'sparse ' if self._index[0].has_inputs else 'no '}inputs")
 
     def _open(self) -> None:
         self._index = [self._read_index(i) for i in range(len(self.files))]
@@ -309,6 +318,8 @@ class HDFDataset(Dataset):
                 except _H5_ERRORS as exc:
                     raise DataError(f"HDF file {fi.path}: key {key!r} of sequence {s} cannot be read "
                                     f"({type(exc).__name__}: {exc})") from None
+        if self.window > 1:
+            out["data"] = sliding_window(out["data"], self.window)
         return out
 
     def _arrays_of(self, f: int) -> dict[str, Any]:
@@ -382,6 +393,8 @@ class HDFDataset(Dataset):
                 out[key] = {"shape": (None,), "sparse_dim": self.dims[key]}
             else:
                 out[key] = {"shape": (None, *self.shapes[key])}
+        if self.window > 1:  # RETURNN's get_data_dim: input dim * window
+            out["data"] = {"shape": (None, self.shapes["data"][0] * self.window)}
         return out
 
 

@@ -62,7 +62,13 @@ def _resolve_class(name: Any) -> type:
     return obj
 
 
-def make_dataset(obj: Any, *, returnn_defaults: Mapping[str, Any] | None = None, **defaults: Any) -> Dataset:
+def make_dataset(
+    obj: Any,
+    *,
+    returnn_defaults: Mapping[str, Any] | None = None,
+    config_defaults: Mapping[str, Any] | None = None,
+    **defaults: Any,
+) -> Dataset:
     """Return ``obj`` if it is a dataset; build one from ``{"class": name, **opts}``.
 
     RETURNN's dataset classes come by their names: HDFDataset, MetaDataset, StaticDataset,
@@ -71,6 +77,8 @@ def make_dataset(obj: Any, *, returnn_defaults: Mapping[str, Any] | None = None,
     A map-style ``torch.utils.data.Dataset`` is wrapped in :class:`TorchDataset`.
     ``defaults`` (e.g. ``name=``) fill options the dict does not set; ``returnn_defaults`` those of a
     dict that RETURNN's own class reads (RETURNN's eval defaults for a dev dataset, say).
+    ``config_defaults`` are RETURNN's Dataset defaults from the config (``window``), given as RETURNN
+    gives them (``kwargs_update_from_config``) to a dict that sets none: see :func:`_with_config_defaults`.
 
     >>> make_dataset({"class": "Task12AXDataset", "num_seqs": 10}).num_seqs
     10
@@ -86,8 +94,11 @@ def make_dataset(obj: Any, *, returnn_defaults: Mapping[str, Any] | None = None,
                 f"dataset dict needs a 'class' entry (e.g. 'Task12AXDataset'), got keys {sorted(opts)}"
             )
         cls = _resolve_class(opts.pop("class"))
+        given = {k: v for k, v in (config_defaults or {}).items() if v is not None}
         if cls is ReturnnDataset and obj.get("class") != "ReturnnDataset":
-            return ReturnnDataset(dict(obj), name=defaults.get("name"), default_kwargs=returnn_defaults)
+            kwargs = {**given, **(returnn_defaults or {})}
+            return ReturnnDataset(dict(obj), name=defaults.get("name"), default_kwargs=kwargs)
+        opts = _with_config_defaults(cls, opts, given)
         for k, v in defaults.items():
             opts.setdefault(k, v)
         _check_options(cls, opts)
@@ -108,6 +119,31 @@ def make_dataset(obj: Any, *, returnn_defaults: Mapping[str, Any] | None = None,
         f"expected a kit.data.Dataset, a map-style torch Dataset or a dict {{'class': ..., ...}}, "
         f"got {type(obj).__name__}"
     )
+
+
+def _with_config_defaults(cls: type, opts: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """``opts`` with the config's dataset defaults it does not set, for a class that takes them.
+
+    RETURNN gives them to every dataset dict (its ``MetaDataset`` refuses a ``window``); a kit class
+    without the option refuses one too, rather than ignore it.
+    """
+    try:
+        takes = set(inspect.signature(cls).parameters)
+    except (TypeError, ValueError):
+        takes = set()
+    out = dict(opts)
+    for name, value in given.items():
+        if name in out:
+            continue
+        if name in takes:
+            out[name] = value
+        elif not (name == "window" and value == 1):
+            raise ConfigError(
+                f"config key {name!r} = {value!r}: dataset class {cls.__name__} has no {name} option "
+                f"(RETURNN's MetaDataset refuses one too; kit does not ignore it); set it in the dicts of the datasets "
+                f"that take it (Task12AXDataset, HDFDataset, RETURNN's GeneratingDataset classes) instead"
+            )
+    return out
 
 
 def _check_options(cls: type, opts: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 
 from kit.data import ordering
 from kit.data.dataset import Dataset, SeqDict
+from kit.data.window import check_window, sliding_window
 from kit.errors import ConfigError
 
 
@@ -35,6 +36,8 @@ class Task12AXDataset(Dataset):
     Args:
         num_seqs: sequences per epoch.
         seed: kit's: fixed sequences from this seed (None: RETURNN's sequences and data seed).
+        window: RETURNN's ``window`` (odd; the config key's value when the dict sets none): ``data``
+            becomes a sliding window over time, ``[T, 9 * window]`` (:func:`kit.data.window.sliding_window`).
         **opts: the Dataset options (``seq_ordering``, ``fixed_random_seed``, ``partition_epoch``, ...).
     """
 
@@ -42,8 +45,11 @@ class Task12AXDataset(Dataset):
     num_classes = 2
     extern_data = {"data": {"shape": (None, 9)}, "classes": {"shape": (None,), "sparse_dim": 2}}
 
-    def __init__(self, num_seqs: int = 1000, *, seed: int | None = None, **opts: Any):
+    def __init__(self, num_seqs: int = 1000, *, seed: int | None = None, window: int | None = None, **opts: Any):
         super().__init__(**opts)
+        self.window = check_window(window, "Task12AXDataset")
+        if self.window > 1:  # RETURNN reports the windowed dim (its get_data_dim): 9 * window
+            self.extern_data = {**self.extern_data, "data": {"shape": (None, 9 * self.window)}}
         if not isinstance(num_seqs, int) or num_seqs < 0:
             raise ConfigError(f"Task12AXDataset: num_seqs must be an int >= 0, got {num_seqs!r}")
         if seed is not None and (not isinstance(seed, int) or seed < 0):
@@ -91,7 +97,10 @@ class Task12AXDataset(Dataset):
 
     def get_seq(self, idx: int) -> SeqDict:
         rng = self._rng(idx)
-        return self.encode(self._draw_symbols(rng, self._length(rng)))
+        seq = self.encode(self._draw_symbols(rng, self._length(rng)))
+        if self.window > 1:
+            seq["data"] = sliding_window(seq["data"], self.window)
+        return seq
 
     @staticmethod
     def _draw_symbols(rng: np.random.Generator | np.random.RandomState, n: int) -> str:

@@ -42,17 +42,19 @@ def build_datasets(config: Config) -> dict[str, Any]:
     for key in ("train", "dev", "eval"):
         value = config.typed_value(key)
         if value is not None:
-            out[key] = _make(make_dataset, value, key, evaluated=key != "train")
+            out[key] = _make(make_dataset, value, key, evaluated=key != "train", config=config)
     for name, value in (config.typed_value("eval_datasets") or {}).items():
-        out[f"eval_datasets.{name}"] = _make(make_dataset, value, f"eval_datasets[{name!r}]", evaluated=True)
+        where = f"eval_datasets[{name!r}]"
+        out[f"eval_datasets.{name}"] = _make(make_dataset, value, where, evaluated=True, config=config)
     return out
 
 
-def _make(make_dataset: Any, value: Any, key: str, *, evaluated: bool) -> Any:
+def _make(make_dataset: Any, value: Any, key: str, *, evaluated: bool, config: Config) -> Any:
     from kit.data.returnn_adapter import EVAL_DEFAULTS
 
+    given = {"window": config.typed_value("window")}  # RETURNN's Dataset defaults (kwargs_update_from_config)
     try:
-        return make_dataset(value, returnn_defaults=EVAL_DEFAULTS if evaluated else None)
+        return make_dataset(value, returnn_defaults=EVAL_DEFAULTS if evaluated else None, config_defaults=given)
     except (ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"config key '{key}': {exc}") from None
 
