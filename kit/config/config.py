@@ -23,7 +23,7 @@ from kit.errors import ConfigError
 
 _MISSING = object()
 
-IntKeyWithoutDefault = Literal["newbob_multi_update_interval", "save_every_n_steps", "load_epoch", "epoch"]
+IntKeyWithoutDefault = Literal["newbob_multi_update_interval", "save_every_n_steps", "load_epoch", "epoch", "window"]
 FloatKeyWithoutDefault = Literal[
     "newbob_relative_error_grow_threshold", "gradient_clip",
     "gradient_clip_global_norm", "gradient_clip_norm", "gradient_noise",
