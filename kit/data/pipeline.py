@@ -109,7 +109,7 @@ class Pipeline:
             raise ConfigError("'packed_batch_size' together with a callable 'batch_size' or 'max_seqs' is not "
                               "supported: give batch_size/max_seqs as numbers, or drop packed_batch_size")
         self._batcher = None
-        self.batches_are_datapipe = True  # RETURNN's batching is a torch datapipe (kit.engine.loader_draws)
+        self._batcher_datapipe = True  # RETURNN's batching is a torch datapipe (kit.engine.loader_draws)
         if opts.torch_batching is not None:  # RETURNN's: the batcher replaces batch_size, max_seqs, packed_*
             from kit.data.custom_batching import make_batcher
 
@@ -143,6 +143,12 @@ class Pipeline:
         self._prefetch: Prefetch | None = None  # the background thread, while one runs
         self.epoch = 0
         self.position = 0
+
+    @property
+    def batches_are_datapipe(self) -> bool:
+        """Whether RETURNN's DataLoader would iterate a torch datapipe here (its own batching, or a batcher's
+        result wrapped in its online shuffle): it then draws one more seed (:mod:`kit.engine.loader_draws`)."""
+        return self._batcher_datapipe or self.shuffle_buffer is not None
 
     @property
     def prefetching(self) -> bool:
@@ -236,7 +242,7 @@ class Pipeline:
             from kit.data import custom_batching
 
             stream = custom_batching.SequenceStream(self.dataset, entries, order, epoch)
-            entries, ranges, self._fracs, self.batches_are_datapipe = custom_batching.plan(self._batcher, stream, name)
+            entries, ranges, self._fracs, self._batcher_datapipe = custom_batching.plan(self._batcher, stream, name)
         else:
             ranges = self._plan_ranges(entries, order, epoch)
             # complete_frac by position: it stays in order when the batches are shuffled (as in RETURNN)

@@ -206,3 +206,16 @@ def test_the_batcher_gets_the_chunks_after_the_length_filter_as_in_returnn():
     assert [s["data"].shape[0] for s in first] == [min(5, len(full) - a) for a in range(0, len(full), 3)]
     np.testing.assert_array_equal(first[1]["data"], full[3:8])
     assert {int(s["seq_idx"]) for s in first} == {order.index(kept[0])}  # chunks keep their sequence's seq_idx
+
+
+def test_the_loader_draws_follow_what_returnns_dataloader_would_iterate():
+    """RETURNN's own batching and its online shuffle are torch datapipes (one more seed drawn); a batcher's plain
+    IterableDataset is not (kit.engine.loader_draws)."""
+    ds = data()
+    own = Pipeline(ds, extern_data=Task12AXDataset.extern_data, batch_size=600, train=True)
+    plain = Pipeline(ds, extern_data=Task12AXDataset.extern_data, torch_batching=AlternateBatching, train=True)
+    shuffled = Pipeline(ds, extern_data=Task12AXDataset.extern_data, torch_batching=AlternateBatching, train=True,
+                        online_shuffle_batches=4)
+    for pipe in (own, plain, shuffled):
+        pipe.set_epoch(1)
+    assert (own.batches_are_datapipe, plain.batches_are_datapipe, shuffled.batches_are_datapipe) == (True, False, True)
