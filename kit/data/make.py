@@ -127,10 +127,7 @@ def _with_config_defaults(cls: type, opts: dict[str, Any], given: Mapping[str, A
     RETURNN gives them to every dataset dict (its ``MetaDataset`` refuses a ``window``); a kit class
     without the option refuses one too, rather than ignore it.
     """
-    try:
-        takes = set(inspect.signature(cls).parameters)
-    except (TypeError, ValueError):
-        takes = set()
+    takes = _known_options(cls) or []
     out = dict(opts)
     for name, value in given.items():
         if name in out:
@@ -146,22 +143,25 @@ def _with_config_defaults(cls: type, opts: dict[str, Any], given: Mapping[str, A
     return out
 
 
+def _known_options(cls: type) -> list[str] | None:
+    """The options ``cls`` takes by keyword (a kit Dataset's ``**opts`` go to ``Dataset.__init__``, so its
+    options count); None when any is taken (another class with ``**kwargs``) or there is no signature."""
+    try:
+        params: Mapping[str, inspect.Parameter] = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        if not issubclass(cls, Dataset):
+            return None
+        params = {**params, **inspect.signature(Dataset.__init__).parameters}
+    return [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n != "self"]
+
+
 def _check_options(cls: type, opts: dict[str, Any]) -> None:
     """Name every unknown option at once, with suggestions, before calling the class."""
-    try:
-        sig = inspect.signature(cls)
-    except (TypeError, ValueError):
+    known = _known_options(cls)
+    if known is None:
         return
-    params: Mapping[str, inspect.Parameter] = sig.parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        # our built-ins pass **opts to Dataset.__init__; those are the known ones
-        if issubclass(cls, Dataset):
-            params = {**params, **inspect.signature(Dataset.__init__).parameters}  # type: ignore[assignment]
-        else:
-            return
-    known = [
-        n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and n != "self"
-    ]
     problems = []
     for name in opts:
         if name not in known:
