@@ -53,10 +53,11 @@ def adapt_config_values(
     if "extern_data" in out:
         out["extern_data"] = kit_extern_data(out["extern_data"])
     if any(k in out for k in USER_FUNCTION_KEYS):
+        from kit.compat.global_config import ReturnnGlobals
         from kit.compat.step import adapt_function
 
         spec = {"extern_data": current("extern_data"), "model_outputs": current("model_outputs"),
-                "returnn_config": dict(values)}  # RETURNN's global config holds them all (rf_* keys included)
+                "returnn_globals": ReturnnGlobals(values)}  # RETURNN's global config holds them all (rf_* keys too)
         for key in USER_FUNCTION_KEYS:
             if key in out:
                 out[key] = adapt_function(key, out[key], spec)

@@ -77,8 +77,8 @@ def _is_returnn_object(value: Any) -> bool:
 def adapt_function(key: str, fn: Any, spec: Mapping[str, Any]) -> Any:
     """``fn`` wrapped for kit when it is RETURNN-style (see the module docstring), else ``fn`` itself.
 
-    ``spec`` holds the config's ``extern_data`` and ``model_outputs`` as written for RETURNN, and its values
-    (``returnn_config``) for RETURNN's global config (:mod:`kit.compat.global_config`).
+    ``spec`` holds the config's ``extern_data`` and ``model_outputs`` as written for RETURNN, and the
+    :class:`~kit.compat.global_config.ReturnnGlobals` of its values (``returnn_globals``), one per config.
     """
     if not callable(fn) or getattr(fn, ADAPTED_ATTR, False) or not uses_returnn(fn):
         return fn
@@ -102,8 +102,14 @@ def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs if names is None else {k: v for k, v in kwargs.items() if k in names}
 
 
+def _globals_of(spec: dict[str, Any]) -> ReturnnGlobals:
+    """The config's one :class:`ReturnnGlobals` (shared by its get_model and step functions)."""
+    found = spec.get("returnn_globals")
+    return found if isinstance(found, ReturnnGlobals) else ReturnnGlobals({})
+
+
 def _get_model_wrapper(fn: Callable[..., Any], spec: dict[str, Any]) -> Callable[..., Any]:
-    globals_ = ReturnnGlobals(spec.get("returnn_config") or {})
+    globals_ = _globals_of(spec)
 
     @functools.wraps(fn)
     def get_model(**kwargs: Any) -> Any:
@@ -120,7 +126,7 @@ def _get_model_wrapper(fn: Callable[..., Any], spec: dict[str, Any]) -> Callable
 
 def _step_wrapper(fn: Callable[..., Any], spec: dict[str, Any]) -> Callable[..., Any]:
     bridge: list[Any] = []  # the RETURNN bridge, created on first use (needs RETURNN imported)
-    globals_ = ReturnnGlobals(spec.get("returnn_config") or {})
+    globals_ = _globals_of(spec)
 
     @functools.wraps(fn)
     def step(*, model: Any, extern_data: Any, **kwargs: Any) -> Any:
