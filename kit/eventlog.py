@@ -156,9 +156,9 @@ class EventLog:
 def attach_to(engine: Any, request: Callable[[str], None]) -> EventLog | None:
     """The CLI's event log on ``engine``'s bus (rank 0 writes; every rank polls with it); None without ``model``
     or under ``dry_run``."""
-    prefix = engine.model_prefix
-    if not prefix or engine.config.bool("dry_run"):  # RETURNN's dry_run writes nothing
+    if not engine.writes_files:  # no 'model', or RETURNN's dry_run
         return None
+    prefix = engine.model_prefix
     config = engine.config
     dist = engine.dist
     log = EventLog(prefix, log_every=config.int("log_every_n_steps"), request=request,

@@ -89,8 +89,7 @@ class Engine:
         self._last_checkpoint: Checkpoint | None = None
         self._closed_scores: ScoreTable | None = None
         self._epoch_start_time = 0.0
-        self._train_iterated = False  # RETURNN's train DataLoader has been iterated in this process (loader_draws)
-        self._eval_iterated: set[str] = set()  # and these eval datasets' DataLoaders
+        self._loaders = loader_draws.LoaderDraws(config)  # what RETURNN's DataLoaders draw from torch's generator
         self._calls = 0  # driver calls open now (deferred reads wait for their end)
         self._debugger: Debugger | None = None
         self._hooks = RunHooks(config)  # RETURNN's callbacks and memory switches of the config
@@ -398,10 +397,7 @@ class Engine:
         seed_returnn_frontend(seed)  # RETURNN's frontend too (rf.set_random_seed), as its engine does
         t.pipeline.set_epoch(p.epoch)
         # what RETURNN's train DataLoader takes from torch's generator before its first batch (dropout masks follow)
-        loader_draws.draw(loader_draws.draws_per_iteration(
-            self.config.typed_value("torch_dataloader_opts"), first=not self._train_iterated,
-            datapipe=t.pipeline.batches_are_datapipe))
-        self._train_iterated = True
+        self._loaders.before_train(t.pipeline.batches_are_datapipe)
         t.accounting = EpochAccounting()
         p.begin_epoch()
         self._epoch_start_time = time.time()
@@ -552,8 +548,7 @@ class Engine:
                 for name, dataset in datasets.items():
                     self._hooks.epoch_start(epoch=p.epoch, step=p.global_train_step, model=b.model, dataset_name=name)
                     results[name], self._eval_errors[name] = evaluate_dataset(
-                        b, self.config, p, name, dataset, first_iteration=name not in self._eval_iterated)
-                    self._eval_iterated.add(name)
+                        b, self.config, p, name, dataset, self._loaders)
                     self._hooks.epoch_end(epoch=p.epoch, step=p.global_train_step, model=b.model, dataset_name=name)
         finally:
             rng.restore()
@@ -591,7 +586,7 @@ class Engine:
             accounting=t.accounting.state_dict() if p.epoch_running else None,
             grads=grads,
             scores=b.scores.to_json(),
-            loaders={"train": self._train_iterated, "eval": sorted(self._eval_iterated)},
+            loaders=self._loaders.state_dict(),
         )
 
     def restore_state(self, state: TrainingState, *, announce: bool = True) -> None:
@@ -632,8 +627,7 @@ class Engine:
         if state.training_mode is not None:
             b.model.train(state.training_mode)
         if state.loaders is not None:  # else a new process's loaders (RETURNN's files): as RETURNN would draw
-            self._train_iterated = bool(state.loaders.get("train"))
-            self._eval_iterated = set(state.loaders.get("eval") or ())
+            self._loaders.load_state_dict(state.loaders)
         state.rng.restore()
         if announce:
             self.events.emit(Restored(p.copy()))

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kit.config import Config
-from kit.engine import loader_draws
 from kit.engine.accounting import EpochAccounting, stack_losses
 from kit.engine.user_code import check_accepts_kwargs
 from kit.errors import ConfigError, DataError
@@ -17,14 +16,15 @@ from kit.run_ctx import RunCtx
 
 if TYPE_CHECKING:
     from kit.data.dataset import Dataset
+    from kit.engine.loader_draws import LoaderDraws
     from kit.engine.parts import Built
     from kit.engine.progress import Progress
 
 
-def evaluate_dataset(b: Built, config: Config, p: Progress, name: str, dataset: Dataset, *,
-                     first_iteration: bool = True) -> tuple[dict[str, float], set[str]]:
+def evaluate_dataset(b: Built, config: Config, p: Progress, name: str, dataset: Dataset,
+                     loaders: LoaderDraws | None = None) -> tuple[dict[str, float], set[str]]:
     """``({"<name>_loss_<loss>": value}, error score keys)`` for one eval dataset (call under no_grad);
-    ``first_iteration``: the first evaluation of ``name`` in this process (:mod:`kit.engine.loader_draws`)."""
+    ``loaders``: the engine's record of RETURNN's DataLoaders (:mod:`kit.engine.loader_draws`)."""
     from kit.data.pipeline import Pipeline
 
     train_step = config.typed_value("train_step")
@@ -37,8 +37,8 @@ def evaluate_dataset(b: Built, config: Config, p: Progress, name: str, dataset: 
         pipeline.set_epoch(max(1, p.epoch - (0 if p.epoch_running else 1)))
     except DataError as exc:  # say which eval dataset: the pipeline only knows the class
         raise DataError(f"eval dataset {name!r}: {exc}") from None
-    loader_draws.draw(loader_draws.draws_per_iteration(  # as RETURNN's eval DataLoader, before its first batch
-        config.typed_value("torch_dataloader_opts"), first=first_iteration, datapipe=pipeline.batches_are_datapipe))
+    if loaders is not None:  # what RETURNN's eval DataLoader draws before its first batch
+        loaders.before_eval(name, pipeline.batches_are_datapipe)
     acc = EpochAccounting()
     try:
         for batch in pipeline:

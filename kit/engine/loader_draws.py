@@ -41,3 +41,31 @@ def draw(count: int) -> None:
     """Advance torch's global generator as ``count`` ``torch.empty((), dtype=torch.int64).random_()`` do."""
     for _ in range(count):
         torch.empty((), dtype=torch.int64).random_()
+
+
+class LoaderDraws:
+    """Which of RETURNN's DataLoaders an engine would have iterated in this process, drawing for each iteration
+    what it would draw. ``state_dict`` is the training state's ``loaders`` (a resume continues the process)."""
+
+    def __init__(self, config: Any):
+        self.config = config
+        self.train = False
+        self.eval: set[str] = set()
+
+    def before_train(self, datapipe: bool) -> None:
+        """The train loader's draws, right after an epoch's seeding."""
+        draw(draws_per_iteration(self.config.typed_value("torch_dataloader_opts"), first=not self.train,
+                                 datapipe=datapipe))
+        self.train = True
+
+    def before_eval(self, name: str, datapipe: bool) -> None:
+        """Eval dataset ``name``'s loader's draws, before its first batch."""
+        draw(draws_per_iteration(self.config.typed_value("torch_dataloader_opts"), first=name not in self.eval,
+                                 datapipe=datapipe))
+        self.eval.add(name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"train": self.train, "eval": sorted(self.eval)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.train, self.eval = bool(state.get("train")), set(state.get("eval") or ())
