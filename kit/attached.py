@@ -20,7 +20,7 @@ import os
 import time
 from typing import Any
 
-from kit.eventlog import REQUESTS, log_path, request_path
+from kit.eventlog import REQUESTS, log_path, request_path, run_base
 
 __all__ = ["Attached", "attach"]
 
@@ -45,7 +45,7 @@ class Attached:
     def refresh(self) -> list[dict[str, Any]]:
         """Read what the run appended since the last read; returns the new events."""
         try:
-            with open(log_path(self.prefix), encoding="utf-8") as f:
+            with open(log_path(run_base(self.prefix)), encoding="utf-8") as f:
                 f.seek(self._offset)
                 text = f.read()
                 self._offset = f.tell()
@@ -129,7 +129,7 @@ class Attached:
         assert what in REQUESTS
         self.refresh()
         self._asked_at = len(self.events)
-        path = request_path(self.prefix)
+        path = request_path(run_base(self.prefix))
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(what + "\n")

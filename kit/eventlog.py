@@ -7,6 +7,9 @@ steps, with the losses the log line reads anyway), ``epoch_end`` (the score row)
 arrived). Lines are only ever appended, each written whole and flushed, so a reader on the same
 machine or a shared file system follows the run as it trains.
 
+In RETURNN's layout (config key ``run_files``) both files live outside the run directory, in kit's
+state directory (:func:`outside_base`); :func:`kit.attach` finds them there.
+
 A watcher asks the run to stop by writing ``{model}.request`` (``pause`` or ``stop``). The run looks
 for it at step boundaries — one ``os.stat`` at most every ``POLL_SECS`` (rank 0; under torchrun
 rank 0 tells the others every ``DIST_POLL_STEPS`` steps with one all-reduce, so every rank stops
@@ -16,6 +19,7 @@ at the same step) — then finishes the step, writes a step checkpoint and exits
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -41,13 +45,43 @@ def request_path(prefix: str) -> str:
     return os.fspath(prefix) + REQUEST_SUFFIX
 
 
+def state_dir() -> str:
+    """kit's per-user state directory: ``$KIT_STATE_DIR``, else ``$XDG_STATE_HOME/kit``, else ``~/.local/state/kit``."""
+    if os.environ.get("KIT_STATE_DIR"):
+        return os.environ["KIT_STATE_DIR"]
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "kit")
+
+
+def outside_base(prefix: str) -> str:
+    """Where a run in RETURNN's layout (config key ``run_files``) keeps its event log and requests, so that its
+    run directory holds only RETURNN's files: one folder per run in :func:`state_dir`, named by the prefix's
+    absolute path (its base name and a digest)."""
+    absolute = os.path.abspath(os.fspath(prefix))
+    name = os.path.basename(absolute)
+    digest = hashlib.sha256(absolute.encode()).hexdigest()[:16]
+    return os.path.join(state_dir(), "runs", f"{name}-{digest}", name)
+
+
+def run_base(prefix: str) -> str:
+    """Where the run of ``prefix`` keeps its log: beside its checkpoints, or (RETURNN's layout) outside them."""
+    prefix = os.fspath(prefix)
+    outside = outside_base(prefix)
+    if not os.path.exists(log_path(prefix)) and os.path.exists(log_path(outside)):
+        return outside
+    return prefix
+
+
 class EventLog:
     """The bus subscriber that writes the log and polls for requests; ``request(reason)`` stops the run."""
 
     def __init__(self, prefix: str, *, log_every: int, request: Callable[[str], None], main: bool = True,
-                 distributed: bool = False):
+                 distributed: bool = False, base: str | None = None):
         self.prefix, self.log_every, self.request, self.main = prefix, max(1, log_every), request, main
         self.distributed = distributed
+        self.base = base or prefix  # the log and requests: {base}.events.jsonl, {base}.request
+        # a watcher that came before the run's first line leaves its request beside the checkpoints
+        self.request_paths = list(dict.fromkeys([request_path(self.base), request_path(prefix)]))
         # opened at the run's first step (a run that fails before one, e.g. on a config or data error, leaves
         # no file); the lines before it wait in ``pending``
         self.file: Any = None
@@ -55,8 +89,9 @@ class EventLog:
         self.polled_at = 0.0
         self.requested: str | None = None
         if main:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(request_path(prefix))  # a request left from an earlier run is not this run's
+            for path in self.request_paths:  # a request left from an earlier run is not this run's
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
 
     def subscribe(self, events: Events) -> None:
         events.on(Event.RUN_BEGIN, self.on_run_begin)
@@ -76,7 +111,8 @@ class EventLog:
                 return
             if event in ("run_end", "exit"):  # the run trained nothing: no log
                 return
-            self.file = open(log_path(self.prefix), "a", encoding="utf-8")  # noqa: SIM115 - kept open
+            os.makedirs(os.path.dirname(os.path.abspath(self.base)), exist_ok=True)
+            self.file = open(log_path(self.base), "a", encoding="utf-8")  # noqa: SIM115 - kept open
             self.file.write("".join(self.pending))
             self.pending.clear()
         self.file.write(line)
@@ -136,14 +172,15 @@ class EventLog:
     def read_request(self) -> str | None:
         if not self.main:
             return None
-        path = request_path(self.prefix)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read().strip()
-        except (FileNotFoundError, IsADirectoryError):
-            return None
-        os.remove(path)
-        return text if text in REQUESTS else "stop"
+        for path in self.request_paths:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read().strip()
+            except (FileNotFoundError, IsADirectoryError):
+                continue
+            os.remove(path)
+            return text if text in REQUESTS else "stop"
+        return None
 
     def close(self) -> None:
         """The last line ("exit": the process is done with the run, its checkpoint written)."""
@@ -158,10 +195,13 @@ def attach_to(engine: Any, request: Callable[[str], None]) -> EventLog | None:
     or under ``dry_run``."""
     if not engine.writes_files:  # no 'model', or RETURNN's dry_run
         return None
+    from kit.compat.run_files import returnn_layout
+
     prefix = engine.model_prefix
     config = engine.config
     dist = engine.dist
     log = EventLog(prefix, log_every=config.int("log_every_n_steps"), request=request,
-                   main=dist is None or dist.is_main, distributed=dist is not None)
+                   main=dist is None or dist.is_main, distributed=dist is not None,
+                   base=outside_base(prefix) if returnn_layout(config) else prefix)
     log.subscribe(engine.events)
     return log

@@ -18,6 +18,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # and in subprocesses (CLI, kerne
 
 # Set at import time so that subprocesses started by tests (CLI, torchrun) inherit it.
 os.environ["KIT_TEST"] = "1"
+# kit's state directory (event logs of runs in RETURNN's layout) goes under the test run's temp folder,
+# never into the user's home
+if "KIT_STATE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["KIT_STATE_DIR"] = tempfile.mkdtemp(prefix="kit-test-state-")
 
 
 @pytest.fixture

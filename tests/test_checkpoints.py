@@ -482,3 +482,44 @@ def test_manifest_is_json(tmp_model_prefix):
     with open(c.manifest_path) as f:
         m = json.load(f)
     assert m["kind"] == "epoch" and m["epoch"] == 1 and len(m["files"]["train_state"]["sha256"]) == 64
+
+
+# ---- RETURNN's layout: the manifest inside the model file -------------------------------------------
+
+
+def _save_returnn_layout(prefix: str, epoch: int, step: int) -> ck.Checkpoint:
+    return ck.save(prefix, epoch=epoch, model_state={"w": torch.full((3,), float(epoch))},
+                            train_state={"progress": {"epoch": epoch}, "rng": {}}, global_train_step=step,
+                            effective_learning_rate=0.5, layout="returnn")
+
+
+def test_returnn_layout_writes_only_returnns_two_files_and_reads_back_verified(tmp_path):
+    prefix = str(tmp_path / "model")
+    _save_returnn_layout(prefix, 1, 10)
+    saved = _save_returnn_layout(prefix, 2, 20)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.001.opt.pt", "model.001.pt",
+                                                           "model.002.opt.pt", "model.002.pt"]
+    plain = torch.load(saved.path, weights_only=True)  # what RETURNN's loader does with it
+    assert (plain["epoch"], plain["step"], plain["effective_learning_rate"]) == (2, 20, 0.5)
+    last = ck.latest(prefix)
+    assert (last.name, last.global_train_step, last.complete, last.embedded) == ("model.002", 20, True, True)
+    model_file, state = ck.load_checkpoint(last)
+    assert torch.equal(model_file["model"]["w"], torch.full((3,), 2.0)) and "kit_manifest" not in model_file
+    assert state == {"progress": {"epoch": 2}, "rng": {}}
+
+
+def test_returnn_layout_a_damaged_training_state_or_a_missing_model_file_falls_back(tmp_path, caplog):
+    prefix = str(tmp_path / "model")
+    _save_returnn_layout(prefix, 1, 10)
+    second = _save_returnn_layout(prefix, 2, 20)
+    data = bytearray(open(second.opt_path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(second.opt_path, "wb").write(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kit"):
+        assert ck.latest(prefix).name == "model.001"
+    assert "sha256" in caplog.text
+    os.unlink(second.path)  # a save killed after its training state, before its model file
+    assert [c.complete for c in ck.list_checkpoints(prefix)] == [True, False]
+    assert ck.latest(prefix).name == "model.001"
+    _save_returnn_layout(prefix, 2, 20)  # the next save of that name replaces kit's leftover
+    assert ck.latest(prefix).name == "model.002"

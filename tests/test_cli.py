@@ -261,3 +261,22 @@ def test_train_on_a_terminal_shows_a_progress_bar_with_step_eta_and_losses(tmp_p
 
 def test_train_without_a_terminal_has_log_lines_and_no_bar(trained):
     assert "%|" not in trained["proc"].stderr and "%|" not in trained["proc"].stdout
+
+
+def test_a_run_in_returnns_layout_leaves_returnns_files_and_attach_still_follows_it(tmp_path):
+    """With learning_rate_file (RETURNN's layout) the run directory holds only what RETURNN leaves: the model
+    files, the last two optimizer states and the learning-rate file; the event log lives in kit's state
+    directory, where kit.attach finds it."""
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(CONFIG)
+    run = tmp_path / "run"
+    proc = run_kit("-q", "train", str(cfg), f"model={run / 'model'}", f"learning_rate_file={run / 'learning_rates'}",
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == [
+        "learning_rates", "model.001.pt", "model.002.opt.pt", "model.002.pt", "model.003.opt.pt", "model.003.pt"]
+    watched = kit.attach(run / "model")
+    assert watched.status == "done"
+    assert [e["epoch"] for e in watched.events if e["event"] == "epoch_end"] == [1, 2, 3]
+    assert watched.checkpoints == ["model.001", "model.002", "model.003"]
+    assert str(run) not in os.path.dirname(kit.eventlog.run_base(str(run / "model")))

@@ -160,6 +160,22 @@ def test_killed_mid_epoch_resumes_from_step_checkpoint_inside_open_accumulation_
     assert_same_as(result, reference, rec1.losses[:5] + rec2.losses)
 
 
+def test_in_returnns_layout_a_kill_mid_epoch_resumes_bit_exactly_without_manifest_files(tmp_path, reference):
+    """run_files='returnn': the manifest lives in the model file, written last; resuming is as bitwise."""
+    prefix = tmp_path / "model"
+    first, rec1 = start_engine(prefix, run_files="returnn", **WORKERS)
+    first.train(stop_after(7))
+    first.close()
+    assert not list(tmp_path.glob("*.manifest.json"))
+    ckpt = checkpoints.latest(str(prefix))
+    assert (ckpt.kind, ckpt.global_train_step, ckpt.embedded) == ("step", 5, True)
+    second, rec2 = start_engine(prefix, run_files="returnn", **WORKERS)
+    result = train_rest(second, rec2)
+    assert rec2.losses[0][0] == 5
+    assert_same_as(result, reference, rec1.losses[:5] + rec2.losses)
+    assert not list(tmp_path.glob("*.manifest.json"))
+
+
 def test_stopped_after_the_last_step_before_the_epoch_end_work_resumes_with_it(tmp_path, reference):
     prefix = tmp_path / "model"
     first, rec1 = start_engine(prefix, save_every_n_steps=STEPS_PER_EPOCH)

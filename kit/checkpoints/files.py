@@ -16,8 +16,8 @@ from typing import IO, Any
 import torch
 
 from kit import fileio
-from kit.checkpoints.foreign import foreign_file_error, foreign_files
-from kit.checkpoints.manifest import read_manifest_file
+from kit.checkpoints.foreign import foreign_file_error, foreign_files, has_entry
+from kit.checkpoints.manifest import manifest_problem, read_manifest_file
 from kit.checkpoints.naming import checkpoint_file_pattern, checkpoint_paths
 from kit.checkpoints.safe_load import (  # noqa: F401 - public names of this module before the split
     CheckpointNotFoundError,
@@ -34,6 +34,7 @@ MANIFEST_FORMAT = 1
 _KINDS = ("step", "epoch")  # order at equal global step: a step checkpoint is older than the epoch one
 _HASH_CHUNK = 8 << 20
 _MARK = "kit_version"  # in every file kit writes: see foreign.py
+EMBEDDED = "kit_manifest"  # the model file's entry holding the manifest in RETURNN's layout
 
 
 # ----------------------------------------------------------------------------------------------
@@ -51,6 +52,7 @@ class Checkpoint:
     opt_path: str
     manifest_path: str
     complete: bool
+    embedded: bool = False  # the manifest is inside the model file (RETURNN's layout): no manifest file
 
     @property
     def name(self) -> str:
@@ -115,7 +117,26 @@ def _make_checkpoint(prefix: str, epoch: int, step: int | None) -> Checkpoint:
             step = read_manifest_file(manifest_path)["global_train_step"]
         except CorruptCheckpointError:
             step = None
+    if not complete and (embedded := embedded_manifest(path)) is not None:
+        if (embedded["epoch"], embedded["kind"]) == (epoch, kind):
+            return Checkpoint(epoch, embedded["global_train_step"], kind, path, opt_path, manifest_path, True,
+                              embedded=True)
     return Checkpoint(epoch, step, kind, path, opt_path, manifest_path, complete)
+
+
+def embedded_manifest(path: str) -> dict | None:
+    """The manifest inside the model file at ``path`` (RETURNN's layout), or None: no such file, not kit's,
+    no manifest inside, or one that does not read. Reads the file's small index only (tensors are mapped)."""
+    if not has_entry(path, EMBEDDED):
+        return None
+    try:
+        model_file = load(path, mmap=True)
+    except CheckpointError:
+        return None
+    manifest = model_file.get(EMBEDDED) if isinstance(model_file, dict) else None
+    if not isinstance(manifest, dict) or manifest.get("embedded") is not True or manifest_problem(manifest):
+        return None
+    return manifest
 
 
 def _sorted(ckpts: list[Checkpoint]) -> list[Checkpoint]:
@@ -197,6 +218,9 @@ def _write_manifest(path: str, manifest: dict) -> None:
     fileio.atomic_write_bytes(path, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
 
 
+LAYOUTS = ("kit", "returnn")
+
+
 def save(
     prefix: str,
     *,
@@ -209,6 +233,7 @@ def save(
     config_digest: str = "",
     extra_meta: dict | None = None,
     config_keys: Mapping[str, str] | None = None,
+    layout: str = "kit",
 ) -> Checkpoint:
     """Write a checkpoint: model file, training-state file, then the manifest that completes it.
 
@@ -216,15 +241,15 @@ def save(
     (it does not count). Temp files left by an earlier crash of a writer of this prefix are
     removed first (never those of another prefix, nor of a live writer). ``config_keys``: a
     digest per config key, so that a resume can name the keys that changed.
-    """
-    import kit
 
-    if effective_learning_rate is not None:
-        effective_learning_rate = float(effective_learning_rate)
-    try:  # fail before writing hundreds of MB, not when writing the manifest
-        extra_meta = json.loads(json.dumps(dict(extra_meta or {})))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"save: extra_meta must be JSON-serializable ({e})") from e
+    ``layout="returnn"``: only the files RETURNN writes — the training state first, then the model file,
+    which carries the manifest (``kit_manifest``; the model file's own digest is left out) and, written
+    last, completes the checkpoint. RETURNN reads both files as its own.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"checkpoint layout must be one of {LAYOUTS}, got {layout!r}")
+    meta = _manifest_fields(epoch, global_train_step, kind, effective_learning_rate, config_digest,
+                            extra_meta, config_keys)
     path, opt_path, manifest_path = checkpoint_paths(
         prefix, epoch, global_train_step=global_train_step, kind=kind
     )
@@ -233,51 +258,74 @@ def save(
     for stale in fileio.remove_stale_temp_files(directory, lambda name: pattern.match(name) is not None):
         logger.info("Removed temp file of an interrupted write: %s", stale)
     _refuse_foreign(path, opt_path, manifest_path)
-    if os.path.exists(manifest_path):
-        # Overwriting: un-complete the old one first, so that no manifest ever describes mixed files.
-        os.unlink(manifest_path)
-        fileio.fsync_dir(directory)
-    files: dict[str, dict[str, Any] | None] = {
-        "model": _write_torch_file(
-            path,
-            {
-                "model": model_state,
-                "epoch": int(epoch),
-                "step": int(global_train_step),
-                "effective_learning_rate": effective_learning_rate,
-                "kit_version": kit.__version__,
-            },
-        )
+    # Overwriting: un-complete the old checkpoint first (its manifest; in RETURNN's layout also the model
+    # file that carries it), so that no manifest ever describes mixed files.
+    _remove(manifest_path, *((path,) if layout == "returnn" else ()), directory=directory)
+    model_file = {
+        "model": model_state,
+        "epoch": int(epoch),
+        "step": int(global_train_step),
+        "effective_learning_rate": meta["effective_learning_rate"],
+        "kit_version": meta["kit_version"],
     }
-    if train_state is not None:
-        if isinstance(train_state, dict):  # marks the file as kit's (load_checkpoint takes the mark off)
-            train_state = {**train_state, _MARK: kit.__version__}
-        files["train_state"] = _write_torch_file(opt_path, train_state)
+    if layout == "kit":
+        files = {"model": _write_torch_file(path, model_file), "train_state": _write_train_state(opt_path, train_state)}
+        _write_manifest(manifest_path, {**meta, "files": files})
     else:
-        files["train_state"] = None
-        if os.path.exists(opt_path):
-            os.unlink(opt_path)  # a stale one from an earlier save of this name
-    now = time.time()
-    _write_manifest(
-        manifest_path,
-        {
-            "format": MANIFEST_FORMAT,
-            "kind": kind,
-            "epoch": int(epoch),
-            "global_train_step": int(global_train_step),
-            "files": files,
-            "kit_version": kit.__version__,
-            "torch_version": torch.__version__,
-            "config_digest": config_digest,
-            "config_keys": dict(config_keys or {}),
-            "effective_learning_rate": effective_learning_rate,
-            "time": now,
-            "time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
-            "extra": extra_meta,
-        },
-    )
+        files = {"model": None, "train_state": _write_train_state(opt_path, train_state)}
+        _write_torch_file(path, {**model_file, EMBEDDED: {**meta, "embedded": True, "files": files}})
     logger.info("Saved checkpoint %s", path)
-    return Checkpoint(int(epoch), int(global_train_step), kind, path, opt_path, manifest_path, True)
+    return Checkpoint(int(epoch), int(global_train_step), kind, path, opt_path, manifest_path, True,
+                      embedded=layout == "returnn")
+
+
+def _manifest_fields(epoch: int, global_train_step: int, kind: str, effective_learning_rate: float | None,
+                     config_digest: str, extra_meta: dict | None, config_keys: Mapping[str, str] | None) -> dict:
+    """The manifest without its ``files``; checked before anything is written."""
+    import kit
+
+    try:  # fail before writing hundreds of MB, not when writing the manifest
+        extra_meta = json.loads(json.dumps(dict(extra_meta or {})))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"save: extra_meta must be JSON-serializable ({e})") from e
+    now = time.time()
+    return {
+        "format": MANIFEST_FORMAT,
+        "kind": kind,
+        "epoch": int(epoch),
+        "global_train_step": int(global_train_step),
+        "kit_version": kit.__version__,
+        "torch_version": str(torch.__version__),  # a str subclass that weights_only loading refuses
+        "config_digest": config_digest,
+        "config_keys": dict(config_keys or {}),
+        "effective_learning_rate": None if effective_learning_rate is None else float(effective_learning_rate),
+        "time": now,
+        "time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+        "extra": extra_meta,
+    }
+
+
+def _write_train_state(opt_path: str, train_state: dict | None) -> dict[str, Any] | None:
+    """The training-state file (marked as kit's; load_checkpoint takes the mark off); None removes a stale one."""
+    import kit
+
+    if train_state is None:
+        _remove(opt_path, directory=None)
+        return None
+    if isinstance(train_state, dict):
+        train_state = {**train_state, _MARK: kit.__version__}
+    return _write_torch_file(opt_path, train_state)
+
+
+def _remove(*paths: str, directory: str | None) -> None:
+    """Unlink those of ``paths`` that exist; then make the removal durable when ``directory`` is given."""
+    removed = False
+    for p in paths:
+        if os.path.lexists(p):
+            os.unlink(p)
+            removed = True
+    if removed and directory is not None:
+        fileio.fsync_dir(directory)
 
 
 def _refuse_foreign(path: str, opt_path: str, manifest_path: str) -> None:
@@ -303,6 +351,11 @@ def foreign_files_of(path: str, opt_path: str, manifest_path: str) -> list[str]:
 
 
 def _read_manifest(ckpt: Checkpoint) -> dict:
+    if not os.path.lexists(ckpt.manifest_path) and (embedded := embedded_manifest(ckpt.path)) is not None:
+        if (embedded["epoch"], embedded["kind"]) != (ckpt.epoch, ckpt.kind):
+            raise CorruptCheckpointError(f"The manifest in {ckpt.path} describes epoch {embedded['epoch']} "
+                                         f"({embedded['kind']}), not {ckpt.name}")
+        return embedded
     if not os.path.lexists(ckpt.manifest_path):
         raise CorruptCheckpointError(
             f"Checkpoint {ckpt.name} is incomplete: manifest {ckpt.manifest_path} missing"
@@ -342,7 +395,7 @@ def _sha256_of(path: str) -> str:
 
 def _files_of(ckpt: Checkpoint, manifest: dict, *, train_state: bool) -> list[tuple[str, dict]]:
     """(path, manifest entry) of the files to check: the model file, and the training state if wanted."""
-    files = [(ckpt.path, manifest["files"]["model"])]
+    files = [] if manifest["files"]["model"] is None else [(ckpt.path, manifest["files"]["model"])]
     if train_state and manifest["files"].get("train_state") is not None:
         files.append((ckpt.opt_path, manifest["files"]["train_state"]))
     return files
@@ -429,7 +482,8 @@ def load_checkpoint(ckpt: Checkpoint, *, load_train_state: bool = True) -> tuple
         model_file = load(ckpt.path)
         if not isinstance(model_file, dict) or "model" not in model_file:
             raise CorruptCheckpointError(f"{ckpt.path} has no 'model' entry")
-        train_state = load(ckpt.opt_path) if len(files) > 1 else None
+        model_file.pop(EMBEDDED, None)
+        train_state = load(ckpt.opt_path) if any(path == ckpt.opt_path for path, _ in files) else None
     except UnsafeCheckpointError:
         digests()  # a file that would run code is the reason, whatever its hash
         raise

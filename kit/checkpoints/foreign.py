@@ -26,17 +26,28 @@ def written_by_kit(path: str) -> bool:
     False for a file that is not a well-formed torch archive (damaged, truncated, a special file):
     kit never leaves such a file under a checkpoint name, so it is not kit's to replace.
     """
+    pickle = _index_of(path)
+    return pickle is not None and (b"kit_version" in pickle or (b"progress" in pickle and b"rng" in pickle))
+
+
+def has_entry(path: str, name: str) -> bool:
+    """Whether the torch file at ``path`` names ``name`` in its index (a cheap test before loading it)."""
+    pickle = _index_of(path)
+    return pickle is not None and name.encode() in pickle
+
+
+def _index_of(path: str) -> bytes | None:
+    """The pickle of a torch zip archive (its small index; tensors are other members), or None."""
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
-            return False
+            return None
         with zipfile.ZipFile(path) as archive:
             infos = [i for i in archive.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
             if not infos or infos[0].file_size > _MAX_PICKLE_BYTES:
-                return False
-            pickle = archive.read(infos[0])
+                return None
+            return archive.read(infos[0])
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, KeyError, ValueError, EOFError, RuntimeError):
-        return False
-    return b"kit_version" in pickle or (b"progress" in pickle and b"rng" in pickle)
+        return None
 
 
 def foreign_files(paths: list[str]) -> list[str]:

@@ -32,8 +32,11 @@ class CheckpointNotFoundError(CorruptCheckpointError, FileNotFoundError):
     """A file a checkpoint needs is not there."""
 
 
-def load(path: str | os.PathLike, *, unsafe_trust: bool = False, map_location: Any = "cpu") -> Any:
+def load(path: str | os.PathLike, *, unsafe_trust: bool = False, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """Load one file safely: ``torch.load(weights_only=True)``, or safetensors by content.
+
+    ``mmap``: map the tensors' storage instead of reading it (a zip-format torch file only): reading the
+    small entries of a large model file costs a few page reads.
 
     Raises:
         UnsafeCheckpointError: the file needs code execution to unpickle (the global is named).
@@ -53,7 +56,7 @@ def load(path: str | os.PathLike, *, unsafe_trust: bool = False, map_location: A
             path,
         )
     try:
-        return torch.load(path, map_location=map_location, weights_only=not unsafe_trust)  # noqa: S614
+        return torch.load(path, map_location=map_location, weights_only=not unsafe_trust, mmap=mmap)  # noqa: S614
     except pickle.UnpicklingError as e:
         # torch words it "Unsupported global: GLOBAL os.system ..." or "unsupported GLOBAL posix.system whose
         # module posix is blocked"

@@ -5,8 +5,9 @@
   ``{"optimizer": state_dict, "param_names": [...], ...}``) when it is newer than any kit
   checkpoint, and describes the training state to continue with. Nothing is written or removed.
 - :class:`ReturnnScoreTable` keeps ``learning_rate_file`` in RETURNN's format (so RETURNN can
-  continue the run) and kit's JSON table beside it (``{learning_rate_file}.kit.json``). On load the
-  RETURNN file wins for every epoch it has (RETURNN may have trained after kit).
+  continue the run) and, unless the run keeps RETURNN's layout (``run_files``), kit's JSON table beside
+  it (``{learning_rate_file}.kit.json``). On load the RETURNN file wins for every epoch it has (RETURNN
+  may have trained after kit).
 
 The files kit writes into the run (``model.NNN.pt`` / ``.opt.pt``) are RETURNN-readable too: the
 model file has RETURNN's keys, and the training state carries ``optimizer`` and ``param_names``
@@ -158,10 +159,14 @@ def kit_table_path(learning_rate_file: str) -> str:
 class ReturnnScoreTable(ScoreTable):
     """A score table whose file is RETURNN's ``learning_rate_file``, with kit's JSON beside it."""
 
+    side_table = True  # write kit's JSON table beside RETURNN's file (not in RETURNN's layout: run_files)
+
     @classmethod
-    def open(cls, learning_rate_file: str) -> ReturnnScoreTable:
-        """kit's table (if there is one), then every epoch of RETURNN's file over it."""
+    def open(cls, learning_rate_file: str, *, side_table: bool = True) -> ReturnnScoreTable:
+        """kit's table (if there is one), then every epoch of RETURNN's file over it. ``side_table=False``:
+        saving writes RETURNN's file only (an existing JSON table is still read, never written)."""
         table = cls(learning_rate_file)
+        table.side_table = side_table
         side = kit_table_path(learning_rate_file)
         if os.path.exists(side):
             table.load_state_dict(ScoreTable.load(side).state_dict())
@@ -181,7 +186,8 @@ class ReturnnScoreTable(ScoreTable):
         target = os.fspath(path) if path is not None else self.path
         if target is None:
             return super().save(path)
-        atomic_write_text(kit_table_path(target), self.to_json())
+        if self.side_table:
+            atomic_write_text(kit_table_path(target), self.to_json())
         atomic_write_text(target, returnn_lr_file_text(self))
         return target
 

@@ -492,6 +492,7 @@ _KEYS: list[Key] = [
     # files and checkpoints
     _k("checkpoints", "model", "str", None, "checkpoint path prefix: epoch e is {model}.{e:03d}.pt", optional_str),
     _k("checkpoints", "learning_rate_file", "str", None, "score table file (default {model}.scores.json beside the checkpoints)", optional_str),
+    _k("checkpoints", "run_files", "str", None, "the files a run leaves beside its checkpoints: 'kit' (a manifest per checkpoint, {learning_rate_file}.kit.json, {model}.events.jsonl) or 'returnn' (only what RETURNN leaves: model files, the last two epochs' .opt.pt, learning_rate_file; the manifest goes inside the model file, the CLI's event log into kit's state directory); default 'returnn' when learning_rate_file is set or the model prefix holds RETURNN's checkpoints, else 'kit'", one_of(None, "kit", "returnn")),
     _k("checkpoints", "save_interval", "int", 1, "save a checkpoint every N epochs (and always the final one)", positive_int),
     _k("checkpoints", "save_every_n_steps", "int", None, "also save a step checkpoint every N train steps", optional_positive_int),
     _k("checkpoints", "dry_run", "bool", False, "RETURNN's: train, read checkpoints and score files as usual, but write nothing (no checkpoint, score file, lock, cleanup or event log)", boolean),

@@ -88,8 +88,9 @@ def open_score_table(config: Config) -> Any:
 
     if config.typed_value("learning_rate_file"):  # RETURNN's format stays RETURNN's; kit's JSON beside it
         from kit.compat.returnn_run import ReturnnScoreTable
+        from kit.compat.run_files import returnn_layout
 
-        return ReturnnScoreTable.open(config.typed_value("learning_rate_file"))
+        return ReturnnScoreTable.open(config.typed_value("learning_rate_file"), side_table=not returnn_layout(config))
     path = score_file_path(config)
     if path and os.path.exists(path):
         return ScoreTable.load(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kit import checkpoints
+from kit.compat.run_files import returnn_layout
 from kit.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ def save(config: Config, state: TrainingState, *, kind: str, epoch: int, lock: P
         kind=kind,
         config_digest=config.digest(),
         config_keys=config.key_digests(),
+        layout="returnn" if returnn_layout(config) else "kit",
     )
 
 
@@ -53,12 +55,10 @@ def cleanup(config: Config, scores: ScoreTable | None, protect: Checkpoint | Non
 
 
 def drop_old_optimizer_state(config: Config, epoch: int) -> None:
-    """In a RETURNN run directory (one holding RETURNN's own checkpoints), leave what RETURNN would: the
-    optimizer states of the last two epochs only (``kit.compat.run_files``); kit's own runs keep them all,
-    so that any epoch can be restored."""
-    from kit.compat.returnn_run import returnn_checkpoints
+    """In RETURNN's layout (``run_files``), leave what RETURNN would: the optimizer states of the last two
+    epochs only (``kit.compat.run_files``); kit's own runs keep them all, so that any epoch can be restored."""
     from kit.compat.run_files import delete_old_optimizer_state
 
-    prefix = config.typed_value("model")
-    if prefix and returnn_checkpoints(prefix):
-        delete_old_optimizer_state(prefix, epoch, keep_logic=config.bool("apply_cleanup_old_models_to_optim_states"))
+    if returnn_layout(config):
+        delete_old_optimizer_state(config.typed_value("model"), epoch,
+                                   keep_logic=config.bool("apply_cleanup_old_models_to_optim_states"))

@@ -34,7 +34,8 @@ def _train_and_forward(tmp_path, *, hide_returnn: bool) -> str:
 
 
 def _scores(tmp_path) -> dict:
-    return kit.ScoreTable.load(f"{tmp_path}/lr.kit.json").scores(1)
+    assert not (tmp_path / "lr.kit.json").exists()  # RETURNN's layout: RETURNN's score file only
+    return kit.ScoreTable.load(f"{tmp_path}/lr").scores(1)
 
 
 def test_demo_config_without_returnn(tmp_path):

@@ -115,20 +115,33 @@ def test_continues_returnns_newest_epoch_with_its_optimizer_state(tmp_path, capl
     assert epochs[1]["scores"] == {"dev_loss_ce": 0.69, "train_loss_ce": 0.7}  # RETURNN's rows kept as they were
     assert epochs[3]["learning_rate"] == 0.005  # newbob on RETURNN's scores: dev got worse, lr halved
     assert set(epochs[3]["scores"]) == {"train_loss_ce", "dev_loss_ce"}
-    assert (tmp_path / "learning_rates.kit.json").is_file()
+    # only the files RETURNN leaves: no manifest, no JSON score table, no lock
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "learning_rates", "model.001.pt", "model.002.opt.pt", "model.002.pt", "model.003.opt.pt", "model.003.pt"]
 
 
-def test_kit_leaves_the_optimizer_states_returnn_leaves_and_never_deletes_returnns(tmp_path):
+def test_kit_leaves_the_optimizer_states_returnn_leaves(tmp_path):
     make_returnn_run(tmp_path)
-    returnn_files = ["model.001.pt", "model.002.pt", "model.002.opt.pt"]
+    (tmp_path / "model.001.opt.pt").write_bytes(b"not an optimizer state")  # not RETURNN's format: stays
+    returnn_files = ["model.001.pt", "model.002.pt", "model.001.opt.pt"]
     before = _digests(tmp_path, returnn_files)
     with _session(tmp_path, num_epochs=5, cleanup_old_models={"keep_last_n": 5, "keep_best_n": 0}) as session:
         session.train()
     opt_files = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".opt.pt"))
-    # RETURNN keeps the optimizer states of the last two epochs: kit's epoch 3 state goes after epoch 5;
-    # RETURNN's own epoch-2 state stays (kit deletes only files it wrote)
-    assert opt_files == ["model.002.opt.pt", "model.004.opt.pt", "model.005.opt.pt"]
+    # RETURNN keeps the optimizer states of the last two epochs: its own epoch-2 state goes after kit's epoch 4,
+    # kit's epoch-3 state after epoch 5, as RETURNN alone would have done
+    assert opt_files == ["model.001.opt.pt", "model.004.opt.pt", "model.005.opt.pt"]
     assert _digests(tmp_path, returnn_files) == before
+
+
+def test_kit_keeps_every_optimizer_state_with_run_files_kit(tmp_path):
+    """Negative control: run_files='kit' keeps kit's own layout (manifests, JSON table, every state)."""
+    make_returnn_run(tmp_path)
+    with _session(tmp_path, num_epochs=4, run_files="kit", cleanup_old_models={"keep_last_n": 5, "keep_best_n": 0}) as session:
+        session.train()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert {"model.002.opt.pt", "model.003.opt.pt", "model.004.opt.pt", "model.003.manifest.json",
+            "learning_rates.kit.json"} <= set(names)
 
 
 def test_refuses_to_overwrite_a_returnn_checkpoint(tmp_path):
