@@ -234,3 +234,34 @@ def test_the_key_is_known_with_returnns_default():
     assert Config({}).bool("gpu_local_cpu_affinity") is True
     assert Config({"gpu_local_cpu_affinity": False}).bool("gpu_local_cpu_affinity") is False
     assert RETURNN_KEYS["gpu_local_cpu_affinity"].status == "kit"
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("device, value", [
+    (torch.device("cuda", 0), None),  # the key's default: on
+    (torch.device("cuda", 0), False),
+    (torch.device("cpu"), True),
+])
+def test_engine_set_up_pins_once_before_the_datasets(monkeypatch, device, value):
+    """build_parts calls the pinning for a CUDA device only, with the key's value, before any dataset exists."""
+    from kit.config import Config
+    from kit.engine import build, cpu_affinity, parts
+
+    calls: list[str] = []
+    monkeypatch.setattr(build, "select_device", lambda requested: (device, "test"))
+    monkeypatch.setattr(cpu_affinity, "pin_for_engine",
+                        lambda enabled, dev, dist: calls.append(f"pin {enabled} {dev} {dist}"))
+
+    def datasets(config: Any) -> Any:
+        calls.append("datasets")
+        raise _Stop
+
+    monkeypatch.setattr(parts, "build_datasets", datasets)
+    config = Config({} if value is None else {"gpu_local_cpu_affinity": value})
+    with pytest.raises(_Stop):
+        build.build_parts(config, events=None, training=False)  # type: ignore[arg-type]
+    expected_pin = [f"pin {value is not False} {device} None"] if device.type == "cuda" else []
+    assert calls == expected_pin + ["datasets"]
