@@ -195,8 +195,10 @@ def pin_for_engine(enabled: bool, device: torch.device, dist: DistributedContext
                     "(%s)", "; ".join(_compact(entry[2]) for entry in ranks))
         return None
     pcis = [entry[1] for entry in ranks]
-    if None in pcis:
-        return None  # logged by the rank that could not find its GPU
+    if None in pcis:  # this rank's own reason is logged; rank 0 alone logs info lines under torchrun
+        unknown = [rank for rank, pci in zip([entry[0] for entry in ranks], pcis) if pci is None]
+        logger.info("CPU affinity not set: the GPU of rank(s) %s on this host is unknown", unknown)
+        return None
     return pin_to_gpu([pci for pci in pcis if pci is not None], me, roots)
 
 
