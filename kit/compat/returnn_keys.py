@@ -93,7 +93,6 @@ _OTHER: list[ReturnnKey] = [
     _u("eval_output_file_per_seq", "returnn/__main__.py passes it to eval_model for task='eval'; only RETURNN's TF engine takes it (returnn/torch/engine.py eval_model has no such parameter)"),
     _u("forward_batch_size", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend); the torch engine forwards with batch_size / batch_size_dev"),
     _u("forward_use_search", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend)"),
-    _u("gpu_local_cpu_affinity", "RETURNN (returnn/torch/util/gpu_cpu_affinity.py, default True) pins its process to the CPUs local to its GPU (Linux sysfs); kit does not pin yet"),
     _g("inf_value", "read by RETURNN's frontend backends (get_global_inf_value) from RETURNN's global config, which kit sets around the config's user code"),
     _u("ipython", "RETURNN's own process: returnn/__main__.py starts an IPython kernel beside training; kit runs in Jupyter itself"),
     _u("log", "RETURNN's own log files (returnn/log.py); kit logs through Python's logging (the CLI to stderr), the run's event log and the trackers"),
@@ -148,7 +147,7 @@ _OTHER: list[ReturnnKey] = [
 _SAME = (
     "accum_grad_multiple_step allow_skipping_seqs_in_forward apply_cleanup_old_models_to_optim_states batch_size batch_size_dev batch_size_train chunking cleanup_old_models dev device dry_run "
     "dynamic_learning_rate eval eval_datasets extern_data forward_auto_split_batch_on_oom forward_callback "
-    "forward_data forward_step get_model grad_clip grad_scaler gradient_clip gradient_clip_global_norm gradient_noise "
+    "forward_data forward_step get_model gpu_local_cpu_affinity grad_clip grad_scaler gradient_clip gradient_clip_global_norm gradient_noise "
     "import_model_train_epoch1 learning_rate learning_rate_control learning_rate_control_error_measure "
     "learning_rate_control_min_num_epochs_per_new_lr learning_rate_control_relative_error_relative_lr "
     "learning_rate_decay learning_rate_file learning_rate_growth learning_rates load load_epoch "

@@ -440,6 +440,7 @@ _KEYS: list[Key] = [
     _k("training", "log_grad_norm", "bool | float", False, "RETURNN's: score grad_norm:p<p> (train_loss_grad_norm:p2), the p-norm of the gradients after unscaling and before noise and clipping, on every update step; True is p=2", _log_grad_norm),
     _k("training", "torch_log_memory_usage", "bool", False, "add device memory to log lines", boolean),
     _k("training", "device", "str", None, "None: cuda, then mps, then cpu; 'gpu' requires a GPU; PT_DEVICE env var overrides", device_spec),
+    _k("training", "gpu_local_cpu_affinity", "bool", True, "RETURNN's: on Linux with a CUDA device, pin every thread of the process (and so the data workers) to the allowed CPUs local to its GPU (its NUMA node, widened to the socket when the node is below the rank's share; ranks sharing a node get disjoint slices); nothing pinned (logged) when the launcher bound the ranks or the topology is unknown; see kit/engine/cpu_affinity.py", boolean),
     _k("training", "torch_distributed", "dict", None, "under torchrun: {'reduce_type': 'grad' (DDP) or 'param' (averaging), 'param_sync_step', 'options' (DDP kwargs), 'backend'}"),
     _k("training", "forward_auto_split_batch_on_oom", "bool", True, "split a forward batch in halves on CUDA OOM", boolean),
     _k("training", "use_tensorboard", "bool", False, "write TensorBoard event files (train losses and learning rate per step, every eval score per epoch); needs the tensorboard package", boolean),

@@ -35,6 +35,10 @@ def build_parts(config: Config, events: Events, *, training: bool) -> tuple[Buil
     if dist:  # one process per device (cuda:LOCAL_RANK)
         device, reason = dist.device, f"{reason}; {dist}"
     logger.info("device: %s (%s)", device, reason)
+    if device.type == "cuda":  # before the datasets: their worker processes inherit the pinning
+        from kit.engine.cpu_affinity import pin_for_engine
+
+        pin_for_engine(config.bool("gpu_local_cpu_affinity"), device, dist)
     if training:  # the optimizer's class and keywords, before data and model are built
         from kit.engine.optimizer_check import check_optimizer
 

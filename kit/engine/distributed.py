@@ -300,6 +300,10 @@ class DistributedContext:
         merged = merge_accounting(self._gather(accounting.state_dict()))
         accounting.load_state_dict(merged if self.is_main else merge_accounting([]), self.device)
 
+    def gather_from_ranks(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order (a collective: every rank must call it)."""
+        return self._gather(obj)
+
     def _gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
