@@ -489,7 +489,7 @@ _KEYS: list[Key] = [
     _k("optimizer", "gradient_noise", "float", None, "add Gaussian noise with this stddev to gradients", optional_non_negative_number),
     _k("optimizer", "weight_decay_modules_blacklist", "list", None, "module types whose params never decay (default: norms, Embedding)"),
     _k("optimizer", "weight_decay_custom_include_check", "callable", None, "f(*, module, param_name, param, **kw) -> bool | None", optional_callable),
-    _k("optimizer", "param_groups_custom", "callable", None, "f(*, model, **kw) -> list of param group dicts (may hold learning_rate_multiplier)", optional_callable),
+    _k("optimizer", "param_groups_custom", "callable", None, "f(*, model, rf_model, optimizer_class, optimizer_opts, **kw) -> list of param group dicts (may hold learning_rate_multiplier); as RETURNN, optimizer_opts are the optimizer's keywords (lr included) and an option the function pops from them (e.g. learning_rate_multipliers_by_patterns) is not passed to the optimizer", optional_callable),
     # files and checkpoints
     _k("checkpoints", "model", "str", None, "checkpoint path prefix: epoch e is {model}.{e:03d}.pt", optional_str),
     _k("checkpoints", "learning_rate_file", "str", None, "score table file (default {model}.scores.json beside the checkpoints)", optional_str),

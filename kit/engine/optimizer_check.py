@@ -73,7 +73,10 @@ KIT_OPTIONS = ("class", "learning_rate_multiplier", "weight_decay_modules_blackl
 
 def check_optimizer(config: Config) -> None:
     """Raise one ConfigError listing every problem of the ``optimizer`` setting (unset: nothing to say)."""
-    problems = optimizer_problems(config.typed_value("optimizer"))
+    spec = config.typed_value("optimizer")
+    if isinstance(spec, Mapping) and config.has("param_groups_custom"):  # the config-level form of the option
+        spec = {**spec, "param_groups_custom": config.typed_value("param_groups_custom")}
+    problems = optimizer_problems(spec)
     if problems:
         raise ConfigError(problems)
 
@@ -95,10 +98,14 @@ def optimizer_problems(spec: Any) -> list[str]:
     kwargs = {k: v for k, v in spec.items() if k not in KIT_OPTIONS and k not in ("lr", "learning_rate")}
     if "epsilon" in kwargs and "eps" not in kwargs:
         kwargs["eps"] = kwargs.pop("epsilon")
-    return problems + _keyword_problems(cls, kwargs)
+    # with param_groups_custom, RETURNN hands the function these options: it may take its own out of them
+    # (e.g. learning_rate_multipliers_by_patterns); the updater checks what is left after the call
+    return problems + keyword_problems(cls, kwargs, unknown_ok="param_groups_custom" in spec)
 
 
-def _keyword_problems(cls: type, kwargs: Mapping[str, Any]) -> list[str]:
+def keyword_problems(cls: type, kwargs: Mapping[str, Any], *, unknown_ok: bool = False) -> list[str]:
+    """What is wrong with the keywords ``kwargs`` for optimizer class ``cls`` (names it does not take, types
+    that do not fit its defaults); ``unknown_ok``: judge only the names it takes."""
     try:
         params = inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -109,7 +116,7 @@ def _keyword_problems(cls: type, kwargs: Mapping[str, Any]) -> list[str]:
     for name, value in kwargs.items():
         param = params.get(name)
         if param is None or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            if not takes_any:
+            if not takes_any and not unknown_ok:
                 problems.append(f"config key 'optimizer': {cls.__name__} does not accept {name!r}; "
                                 f"it accepts {', '.join(known)}")
             continue

@@ -28,6 +28,7 @@ import torch
 from kit.config import Config
 from kit.engine.optimizer_check import (  # noqa: F401 - resolve_* and optimizer_classes: public here too
     check_optimizer,
+    keyword_problems,
     optimizer_classes,
     resolve_dotted,
     resolve_optimizer_class,
@@ -132,8 +133,14 @@ class Updater:
         param_groups_custom: Callable[..., list[dict[str, Any]]] | None,
     ) -> list[dict[str, Any]]:
         if param_groups_custom is not None:
+            # as RETURNN: the function gets the optimizer's keywords (lr included) and may take its own options out
+            # of them (e.g. learning_rate_multipliers_by_patterns); what it leaves goes to the optimizer
+            opts["lr"] = self.learning_rate
             groups = param_groups_custom(model=self.model, rf_model=_rf_module(self.model), optimizer_class=cls,
-                                         optimizer_opts=dict(opts))
+                                         optimizer_opts=opts)
+            opts.pop("lr", None)
+            if isinstance(cls, type) and (left := keyword_problems(cls, opts)):
+                raise ConfigError([f"{p} (param_groups_custom left it in the optimizer options)" for p in left])
             groups = list(groups) if isinstance(groups, Iterable) and not isinstance(groups, (str, dict)) else None
             if not groups or not all(isinstance(g, dict) and "params" in g for g in groups):
                 raise ConfigError(

@@ -315,3 +315,34 @@ def test_zero_grad_of_an_optimizer_with_its_own_is_that_one():
     updater = make(optimizer={"class": Own})
     updater.zero_grad()
     assert calls == [True]
+
+
+def _lr_multipliers_by_patterns(*, model, optimizer_opts, **_kw):
+    """A param_groups_custom as RETURNN setups write it: it takes its own option out of the optimizer options."""
+    import fnmatch
+
+    patterns = optimizer_opts.pop("learning_rate_multipliers_by_patterns")
+    groups: dict[float, list] = {}
+    for name, param in model.named_parameters():
+        factor = next((f for pattern, f in patterns.items() if fnmatch.fnmatchcase(name, pattern)), 1.0)
+        groups.setdefault(factor, []).append(param)
+    return [{"params": params, "learning_rate_multiplier": f, "weight_decay": optimizer_opts.get("weight_decay", 0.0)}
+            for f, params in groups.items()]
+
+
+def test_learning_rate_multipliers_by_patterns_through_param_groups_custom():
+    model = Tiny()
+    updater = make(model, optimizer={"class": "adamw", "param_groups_custom": _lr_multipliers_by_patterns,
+                                     "learning_rate_multipliers_by_patterns": {"lin.*": 0.1}, "weight_decay": 0.01})
+    assert group_of(updater, model.lin.weight)["lr"] == pytest.approx(0.01)
+    assert group_of(updater, model.norm.weight)["lr"] == pytest.approx(0.1)
+    assert "learning_rate_multipliers_by_patterns" not in updater.optimizer.defaults
+
+
+def test_an_option_param_groups_custom_leaves_behind_is_named():
+    def keeps_it(*, model, **_kw):
+        return [{"params": list(model.parameters())}]
+
+    with pytest.raises(ConfigError, match="learning_rate_multipliers_by_patterns.*param_groups_custom left it"):
+        make(Tiny(), optimizer={"class": "adamw", "param_groups_custom": keeps_it,
+                                "learning_rate_multipliers_by_patterns": {"lin.*": 0.1}})

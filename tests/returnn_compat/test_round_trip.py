@@ -87,7 +87,7 @@ def test_kit_without_returnns_optimizer_state_diverges(tmp_path):
     assert _lr_file(alone)[3]["scores"] != _lr_file(mixed)[3]["scores"]
 
 
-VARIANTS = ["seq_len", "dynamic_lr", "weight_decay", "lr_multiplier", "bf16", "float64", "clip_sgd", "clip_adamw", "callable_batch_size"]
+VARIANTS = ["seq_len", "dynamic_lr", "weight_decay", "lr_multiplier", "lr_patterns", "bf16", "float64", "clip_sgd", "clip_adamw", "callable_batch_size"]
 
 
 @needs_returnn
