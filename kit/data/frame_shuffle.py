@@ -9,6 +9,18 @@ epoch's order: a group is always permuted as a whole, whatever the prefetch thre
 position or chunking read first. kit's last group takes the sequences left (fewer than n), and the
 other keys (frame-aligned targets) get the same permutation as ``data``.
 
+Where RETURNN 1.20261022 differs (measured on its HDFDataset, the only class that shuffles): with
+``cache_byte_size`` 0 (its default) ``load_seqs`` fails an assertion; with a cache too small for all
+the data its preload thread fails an assertion (the frames stay as in the file); when n does not divide the sequence count its
+preload thread fails (``end <= num_seqs``) and ``load_seqs`` then waits forever; with any target key
+its target permutation raises a TypeError in the preload thread (``self._seq_start[idx]``, a vector,
+as a slice bound), after permuting only the first group's ``data``; its preload thread marks
+sequences loaded before it permutes them, so a read right after ``init_seq_order`` can get the
+file's frames; and a fully cached epoch keeps the frames it permuted in the first epoch its process
+loaded, by that epoch's groups, for all later epochs (a resumed run sees other frames than an
+unbroken one). With the cache on and large enough, data only and n dividing the count, kit's frames
+equal RETURNN's bitwise in its first epoch (and in later ones under a fixed order).
+
 >>> fs = FrameShuffle(np.array([2, 0, 1]), 2)   # groups (2, 0) and (1,)
 """
 

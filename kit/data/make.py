@@ -144,7 +144,7 @@ def _with_config_defaults(cls: type, opts: dict[str, Any], given: Mapping[str, A
 
 
 # the config's dataset defaults: which RETURNN classes refuse one, which classes take it
-_REFUSED_BY_RETURNN = {"window": "RETURNN's MetaDataset", "shuffle_frames_of_nseqs": "RETURNN's MetaDataset and GeneratingDataset"}
+_REFUSED_BY_RETURNN = {"window": "RETURNN's MetaDataset", "shuffle_frames_of_nseqs": "RETURNN's MetaDataset, like its GeneratingDataset,"}
 _TAKEN_BY = {
     "window": "Task12AXDataset, HDFDataset, RETURNN's GeneratingDataset classes",
     "shuffle_frames_of_nseqs": "HDFDataset, RETURNN's own HDFDataset through the adapter",

@@ -105,6 +105,23 @@ def test_resume_mid_epoch_with_chunking_gives_the_same_frames(tmp_path, prefetch
     assert any(not np.array_equal(a, b["data"].tensor.numpy()) for a, b in zip(full, plain))  # negative control
 
 
+def test_worker_processes_give_the_same_frames(tmp_path):
+    path = _write(tmp_path / "a.hdf")
+
+    def run(**opts):
+        p = Pipeline(HDFDataset(path, shuffle_frames_of_nseqs=3, seq_ordering="random"), batch_size=20, max_seqs=3,
+                     **opts)
+        out = []
+        for epoch in (1, 2):  # the workers get each epoch's groups
+            p.set_epoch(epoch)
+            out += [b["data"].tensor.numpy().copy() for b in p]
+        p.close()
+        return out
+
+    alone, workers = run(), run(num_workers=2)
+    assert len(alone) == len(workers) and all(np.array_equal(a, b) for a, b in zip(alone, workers))
+
+
 def test_config_key_reaches_train_datasets_only(tmp_path):
     path = _write(tmp_path / "a.hdf")
     spec = {"class": "HDFDataset", "files": [path]}
