@@ -73,7 +73,9 @@ class FrameShuffle:
     def __init__(self, order: Any, n: int):
         self.order = np.asarray(order, dtype=np.int64)
         self.n = n
-        self._pos = {int(i): p for p, i in enumerate(self.order.tolist())}
+        # dataset index -> position in the order (-1: not in this epoch), one int64 per sequence
+        self._pos = np.full(int(self.order.max()) + 1 if len(self.order) else 0, -1, dtype=np.int64)
+        self._pos[self.order] = np.arange(len(self.order), dtype=np.int64)
         self._cache: OrderedDict[int, dict[int, SeqDict]] = OrderedDict()
 
     def without_cache(self) -> FrameShuffle:
@@ -82,11 +84,11 @@ class FrameShuffle:
 
     def covers(self, idx: int) -> bool:
         """Whether sequence ``idx`` is in this epoch's order."""
-        return idx in self._pos
+        return 0 <= idx < len(self._pos) and bool(self._pos[idx] >= 0)
 
     def group_start(self, idx: int) -> int:
         """The position in the epoch's order where sequence ``idx``'s group starts (RETURNN's seed)."""
-        p = self._pos[idx]
+        p = int(self._pos[idx])
         return p - p % self.n
 
     def seq(self, idx: int, read: Callable[[int], SeqDict]) -> SeqDict:

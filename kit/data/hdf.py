@@ -156,7 +156,8 @@ class HDFDataset(Dataset):
             ``inputs`` (key ``data``) as a sliding window over time, ``[T, D * window]``; needs dense inputs.
         shuffle_frames_of_nseqs: RETURNN's: in each epoch, the sequences of the epoch's order are taken in
             groups of this many and the frames of each group are permuted among its sequences (lengths kept);
-            see :mod:`kit.data.frame_shuffle`. 0 (the default): frames as in the file.
+            see :mod:`kit.data.frame_shuffle`. A pipeline's epoch sets the groups (``set_epoch_order``); before
+            the first, ``get_seq`` gives the file's frames. 0 (the default): frames as in the file.
         **opts: the Dataset options (``seq_ordering``, ``partition_epoch``, ``fixed_random_seed``, ...).
     """
 

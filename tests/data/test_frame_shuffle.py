@@ -42,10 +42,10 @@ def _epoch(ds, epoch=1, **opts):
     return p, out
 
 
-@pytest.mark.parametrize("ordering", ["default", "random"])
-def test_each_group_is_a_permutation_of_its_frames(tmp_path, ordering):
+@pytest.mark.parametrize("opts", [{}, {"seq_ordering": "random"}, {"seq_ordering": "random", "partition_epoch": 2}])
+def test_each_group_is_a_permutation_of_its_frames(tmp_path, opts):
     path = _write(tmp_path / "a.hdf")
-    ds = HDFDataset(path, shuffle_frames_of_nseqs=3, seq_ordering=ordering)
+    ds = HDFDataset(path, shuffle_frames_of_nseqs=3, **opts)  # a partition: groups of the sub-epoch's order
     p, got = _epoch(ds)
     order = ds.seq_order_array(1)
     assert [len(d) for d, _ in got] == [LENS[i] for i in order]  # lengths kept
