@@ -120,7 +120,6 @@ _OTHER: list[ReturnnKey] = [
     _u("search_output_file", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search()"),
     _u("search_output_file_format", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search()"),
     _u("search_output_layer", "RETURNN's task='search' (returnn/__main__.py): only RETURNN's TF engine has search() (output layers of a net dict)"),
-    _u("shuffle_frames_of_nseqs", "a RETURNN Dataset default for training (returnn/datasets/basic.py load_seqs); in RETURNN 1.20261022 only CachedDataset (its HDFDataset) implements the frame shuffle, and only while preloading into its cache (cache_size; with the cache off it fails an assertion); GeneratingDataset, MetaDataset and the Sprint datasets assert it is 0, the CachedDataset2 classes raise OptionalNotImplementedError. kit's HDFDataset reads on demand and has no cache, so no kit dataset has an equivalent"),
     _u("sort_dataset"),
     _u("startup_callback"),
     _u("statistics", "RETURNN's task='analyze' (returnn/__main__.py): only RETURNN's TF engine has analyze(); kit has no such task"),
@@ -158,7 +157,8 @@ _SAME = (
     "packed_batch_cost_dev packed_batch_cost_train packed_batch_size packed_batch_size_dev packed_batch_size_train "
     "preload_from_files "
     "random_seed save_interval start_batch start_epoch stop_on_nonfinite_train_score task torch_amp torch_dataloader_opts "
-    "torch_batching torch_distributed torch_log_memory_usage train train_step use_tensorboard tensorboard_opts window"
+    "torch_batching torch_distributed torch_log_memory_usage train train_step use_tensorboard tensorboard_opts window "
+    "shuffle_frames_of_nseqs"
 ).split()
 
 RETURNN_KEYS: dict[str, ReturnnKey] = {k.name: k for k in _OTHER}

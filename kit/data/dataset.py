@@ -183,6 +183,16 @@ class Dataset:
         """
         return False
 
+    def set_epoch_order(self, order: np.ndarray) -> bool:
+        """The pipeline's order of the epoch it starts (dataset indices, before length filter and chunking).
+
+        A dataset whose sequences depend on their place in the epoch (HDFDataset's
+        ``shuffle_frames_of_nseqs``) keeps it and returns True: the loaders and worker processes then get
+        the new state. The default ignores it and returns False.
+        """
+        del order
+        return False
+
     def get_seq_order(
         self, epoch: int, *, seq_ordering: Any = None, random_seed: int | None = None
     ) -> list[int]:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kit.data.dataset import Dataset, SeqDict
+from kit.data.frame_shuffle import FrameShuffle, check_frame_aligned, check_group_size
 from kit.data.window import check_window, sliding_window
 from kit.errors import ConfigError, DataError
 from kit.fileio import check_regular_file
@@ -153,6 +154,10 @@ class HDFDataset(Dataset):
             ``use_cache_manager`` (RETURNN's cluster file cache) is refused.
         window: RETURNN's ``window`` (odd; the config key's value when the dict sets none): the
             ``inputs`` (key ``data``) as a sliding window over time, ``[T, D * window]``; needs dense inputs.
+        shuffle_frames_of_nseqs: RETURNN's: in each epoch, the sequences of the epoch's order are taken in
+            groups of this many and the frames of each group are permuted among its sequences (lengths kept);
+            see :mod:`kit.data.frame_shuffle`. A pipeline's epoch sets the groups (``set_epoch_order``); before
+            the first, ``get_seq`` gives the file's frames. 0 (the default): frames as in the file.
         **opts: the Dataset options (``seq_ordering``, ``partition_epoch``, ``fixed_random_seed``, ...).
     """
 
@@ -163,11 +168,14 @@ class HDFDataset(Dataset):
         use_cache_manager: bool = False,
         cache_byte_size: int | None = None,
         window: int | None = None,
+        shuffle_frames_of_nseqs: int = 0,
         **opts: Any,
     ):
         super().__init__(**opts)
         del cache_byte_size
         self.window = check_window(window, "HDFDataset")
+        self.shuffle_frames_of_nseqs = check_group_size(shuffle_frames_of_nseqs, "HDFDataset")
+        self._frames: FrameShuffle | None = None  # the epoch's frame groups (set_epoch_order), when shuffling
         if use_cache_manager:
             raise ConfigError("HDFDataset: use_cache_manager=True (RETURNN's cluster cache) is not supported by kit")
         if isinstance(files, (str, os.PathLike)):
@@ -187,6 +195,12 @@ class HDFDataset(Dataset):
             self.close()
             raise ConfigError(f"HDFDataset: window={self.window} needs dense [time, feature] inputs; {self.files[0]} "
                               f"has {'sparse ' if self._index[0].has_inputs else 'no '}inputs")
+        if self.shuffle_frames_of_nseqs:
+            try:
+                check_frame_aligned(self.seq_lengths(), self.files[0])
+            except DataError:
+                self.close()
+                raise
 
     def _open(self) -> None:
         self._index = [self._read_index(i) for i in range(len(self.files))]
@@ -281,6 +295,7 @@ class HDFDataset(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_handles"], state["_arrays"] = OrderedDict(), {}  # h5py files cannot be pickled; a worker reopens them
+        state["_frames"] = self._frames.without_cache() if self._frames is not None else None
         del state["_lock"]
         return state
 
@@ -305,7 +320,23 @@ class HDFDataset(Dataset):
         f = int(np.searchsorted(self._file_start, idx, side="right")) - 1
         return f, idx - int(self._file_start[f])
 
+    def set_epoch_order(self, order: np.ndarray) -> bool:
+        """With ``shuffle_frames_of_nseqs``: this epoch's frame groups are those of ``order``."""
+        if not self.shuffle_frames_of_nseqs:
+            return False
+        with self._lock:
+            self._frames = FrameShuffle(order, self.shuffle_frames_of_nseqs)
+        return True
+
     def get_seq(self, idx: int) -> SeqDict:
+        """Sequence ``idx``: its frames from the file, or (shuffling frames) its share of its group's permuted frames."""
+        frames = self._frames
+        if frames is None or not frames.covers(idx):
+            return self._read_seq(idx)
+        with self._lock:  # the prefetch thread and the training thread share the group cache
+            return frames.seq(self._check_index(idx), self._read_seq)
+
+    def _read_seq(self, idx: int) -> SeqDict:
         f, s = self._locate(idx)
         fi = self._index[f]
         out: SeqDict = {}

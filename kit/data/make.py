@@ -137,10 +137,18 @@ def _with_config_defaults(cls: type, opts: dict[str, Any], given: Mapping[str, A
         elif not (name == "window" and value == 1):
             raise ConfigError(
                 f"config key {name!r} = {value!r}: dataset class {cls.__name__} has no {name} option "
-                f"(RETURNN's MetaDataset refuses one too; kit does not ignore it); set it in the dicts of the datasets "
-                f"that take it (Task12AXDataset, HDFDataset, RETURNN's GeneratingDataset classes) instead"
+                f"({_REFUSED_BY_RETURNN.get(name, 'RETURNN')} refuses one too; kit does not ignore it); set it in the "
+                f"dicts of the datasets that take it ({_TAKEN_BY.get(name, 'see docs/config.md')}) instead"
             )
     return out
+
+
+# the config's dataset defaults: which RETURNN classes refuse one, which classes take it
+_REFUSED_BY_RETURNN = {"window": "RETURNN's MetaDataset", "shuffle_frames_of_nseqs": "RETURNN's MetaDataset, like its GeneratingDataset,"}
+_TAKEN_BY = {
+    "window": "Task12AXDataset, HDFDataset, RETURNN's GeneratingDataset classes",
+    "shuffle_frames_of_nseqs": "HDFDataset, RETURNN's own HDFDataset through the adapter",
+}
 
 
 def _known_options(cls: type) -> list[str] | None:

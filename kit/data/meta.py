@@ -46,7 +46,14 @@ def make_child(spec: Any, parent: Dataset, name: str) -> Dataset:
         if parent.random_seed_offset is not None:
             spec.setdefault("random_seed_offset", parent.random_seed_offset)
         spec.setdefault("name", name)
-    return _build_child(spec)
+    child = _build_child(spec)
+    if getattr(child, "shuffle_frames_of_nseqs", 0):
+        raise ConfigError(
+            f"{parent.describe()}: its sub-dataset {child.describe()} sets shuffle_frames_of_nseqs, but kit shuffles "
+            f"frames only in the dataset a pipeline iterates (RETURNN's MetaDataset refuses it for itself): set it "
+            f"to 0 here, or train on the HDFDataset directly"
+        )
+    return child
 
 
 class StaticDataset(ArrayDataset):

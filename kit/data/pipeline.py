@@ -237,6 +237,8 @@ class Pipeline:
         order = self._order(epoch)
         if not len(order):
             raise DataError(f"dataset {name}: epoch {epoch} has no sequences (partition_epoch / seq_indices)")
+        if isinstance(self.dataset, Dataset) and self.dataset.set_epoch_order(order):
+            self._renew_loaders()  # the sequences depend on the epoch's order (shuffle_frames_of_nseqs)
         entries = self._plan_entries(order, epoch, name)
         if self._batcher is not None:  # the user's batcher, on this thread (see kit.data.custom_batching)
             from kit.data import custom_batching
@@ -287,6 +289,10 @@ class Pipeline:
     def _renew_dataset_state(self) -> None:
         """The dataset's sequences changed for this epoch (``Dataset.init_epoch``): drop what was read of them."""
         self._lengths = None
+        self._renew_loaders()
+
+    def _renew_loaders(self) -> None:
+        """The dataset's state changed: new loaders (workers with a copy of the new state), nothing read kept."""
         self._loader = BatchLoader(self.dataset, self.extern_data)
         self._ahead.clear()
         if self._pool is not None:  # persistent workers hold a copy of the old dataset state

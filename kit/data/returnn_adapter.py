@@ -68,7 +68,12 @@ class ReturnnDataset(Dataset):
             try:
                 dataset = init_dataset(dict(dataset), default_kwargs=dict(default_kwargs or {}))
             except Exception as exc:  # RETURNN raises many types for bad options
-                raise ConfigError(f"RETURNN dataset {dataset.get('class')!r}: {type(exc).__name__}: {exc}") from exc
+                shuffles = {**dict(default_kwargs or {}), **dataset}.get("shuffle_frames_of_nseqs")
+                hint = (" (shuffle_frames_of_nseqs > 0: RETURNN shuffles frames only in its HDFDataset; its other "
+                        "classes refuse it)") if shuffles else ""
+                raise ConfigError(
+                    f"RETURNN dataset {dataset.get('class')!r}: {type(exc).__name__}: {exc}{hint}"
+                ) from exc
         if not is_returnn_dataset(dataset):
             raise DataError(f"ReturnnDataset needs a RETURNN Dataset or dataset dict, got {type(dataset).__name__}")
         super().__init__(name=name or str(getattr(dataset, "name", type(dataset).__name__)))

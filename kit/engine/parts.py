@@ -52,7 +52,9 @@ def build_datasets(config: Config) -> dict[str, Any]:
 def _make(make_dataset: Any, value: Any, key: str, *, evaluated: bool, config: Config) -> Any:
     from kit.data.returnn_adapter import EVAL_DEFAULTS
 
-    given = {"window": config.typed_value("window")}  # RETURNN's Dataset defaults (kwargs_update_from_config)
+    # RETURNN's Dataset defaults (kwargs_update_from_config); its eval defaults set shuffle_frames_of_nseqs = 0
+    given = {"window": config.typed_value("window"),
+             "shuffle_frames_of_nseqs": None if evaluated else (config.typed_value("shuffle_frames_of_nseqs") or None)}
     try:
         return make_dataset(value, returnn_defaults=EVAL_DEFAULTS if evaluated else None, config_defaults=given)
     except (ConfigError, TypeError, ValueError) as exc:

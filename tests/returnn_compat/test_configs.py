@@ -69,14 +69,14 @@ def test_loading_a_config_leaves_no_returnn_stand_in_behind(tmp_path):
 
 def test_unsupported_returnn_keys_are_named_in_one_warning(tmp_path, caplog):
     path = tmp_path / "c.config"
-    path.write_text("forward_batch_size = 10\nshuffle_frames_of_nseqs = 3\nbackend = 'torch'\nbatching = 'sorted'\n"
+    path.write_text("forward_batch_size = 10\ncombine_labels = 'x'\nbackend = 'torch'\nbatching = 'sorted'\n"
                     "rf_dropout_broadcast = False\nbehavior_version = 21\n"
                     "train = {'class': 'Task12AXDataset', 'num_seqs': 5}\nmax_seqs = -1\n")
     with caplog.at_level(logging.WARNING, logger="kit"):
         config = kit.Config.from_file(path)
     warnings = [r.getMessage() for r in caplog.records if "not supported by kit" in r.getMessage()]
     assert len(warnings) == 1
-    assert "'forward_batch_size'" in warnings[0] and "'shuffle_frames_of_nseqs'" in warnings[0]
+    assert "'forward_batch_size'" in warnings[0] and "'combine_labels'" in warnings[0]
     assert "backend" not in warnings[0]  # 'torch': no effect, nothing to warn about
     assert "rf_" not in warnings[0] and "behavior" not in warnings[0]  # handed to RETURNN (kit.compat.global_config)
     assert config.typed_value("train")["seq_ordering"] == "sorted"  # RETURNN's batching
