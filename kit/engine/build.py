@@ -28,8 +28,10 @@ def can_train(config: Config) -> bool:
     return config.typed_value("train") is not None and config.typed_value("train_step") is not None
 
 
-def build_parts(config: Config, events: Events, *, training: bool) -> tuple[Built, start_.Start, PrefixLock | None]:
-    """Device, datasets, score table, the model (resumed or fresh); the prefix lock when training."""
+def build_parts(config: Config, events: Events, *, training: bool,
+                shared_process: bool = False) -> tuple[Built, start_.Start, PrefixLock | None]:
+    """Device, datasets, score table, the model (resumed or fresh); the prefix lock when training.
+    ``shared_process``: the process is not the run's own (a notebook kernel)."""
     device, reason = select_device(config.typed_value("device"))
     dist = distributed.from_config(config, device)
     if dist:  # one process per device (cuda:LOCAL_RANK)
@@ -38,7 +40,12 @@ def build_parts(config: Config, events: Events, *, training: bool) -> tuple[Buil
     if device.type == "cuda":  # before the datasets: their worker processes inherit the pinning
         from kit.engine.cpu_affinity import pin_for_engine
 
-        pin_for_engine(config.bool("gpu_local_cpu_affinity"), device, dist)
+        if shared_process and not config.has("gpu_local_cpu_affinity"):
+            # RETURNN pins its own process; a kernel's sessions would fight over one process-wide affinity
+            logger.info("CPU affinity not set: this process runs other sessions too (a notebook kernel); "
+                        "gpu_local_cpu_affinity=True pins it to the CPUs next to %s", device)
+        else:
+            pin_for_engine(config.bool("gpu_local_cpu_affinity"), device, dist)
     if training:  # the optimizer's class and keywords, before data and model are built
         from kit.engine.optimizer_check import check_optimizer
 

@@ -12,8 +12,9 @@ CPUs than the rank's fair share (allowed CPUs / ranks on this host), the whole s
 when several ranks of the host land on the same set, each gets its own contiguous slice if the
 slices still cover the share. Nothing is pinned (a log line says why, never an error) when even the
 socket is too small, when the launcher already bound the ranks to different CPUs (``srun``
-per-task binding, ``mpirun``), or when the topology cannot be read. In a notebook the Session's
-kernel process is the one pinned; it stays pinned after the session ends.
+per-task binding, ``mpirun``), or when the topology cannot be read. A notebook's Session shares its
+kernel process with other sessions, so it pins only when the config sets the key itself (the kernel
+then stays pinned after the session ends).
 
 Every file root is a parameter (:class:`Roots`), so tests use fake sysfs/proc trees.
 """

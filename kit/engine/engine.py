@@ -70,8 +70,10 @@ class Engine:
     never a training state).
     """
 
-    def __init__(self, config: Config, *, events: Events | None = None, task: str = "train"):
+    def __init__(self, config: Config, *, events: Events | None = None, task: str = "train",
+                 shared_process: bool = False):
         self.config = config
+        self._shared_process = shared_process  # a notebook kernel: process-wide settings stay as they are
         self.events = events or Events()
         self._log_mark: tuple[float, int, int] | None = None  # (perf_counter, epoch, global step) at the last log line
         self.loop = TrainingLoop(self)
@@ -241,7 +243,8 @@ class Engine:
         if self._built is not None:
             return
         self._hooks.startup()
-        built, start, self._lock = build.build_parts(self.config, self.events, training=self.training)
+        built, start, self._lock = build.build_parts(self.config, self.events, training=self.training,
+                                                     shared_process=self._shared_process)
         self._built = built
         self._hooks.attach(self.events, request_stop=self.request_stop, final_epoch=lambda: self.final_epoch,
                            progress=lambda: self._progress, rank=built.dist.rank if built.dist else None,

@@ -103,7 +103,7 @@ class Session:
         from kit import debug
 
         events = Events()
-        engine = Engine(self.config, events=events)
+        engine = Engine(self.config, events=events, shared_process=True)
         history = History(max_rows=history_max_rows)  # the one per-step store; views read it
         history.subscribe(events)
         history.memory_source = engine.memory_now  # None until the engine is set up

@@ -265,3 +265,27 @@ def test_engine_set_up_pins_once_before_the_datasets(monkeypatch, device, value)
         build.build_parts(config, events=None, training=False)  # type: ignore[arg-type]
     expected_pin = [f"pin {value is not False} {device} None"] if device.type == "cuda" else []
     assert calls == expected_pin + ["datasets"]
+
+
+@pytest.mark.parametrize("value, pins", [(None, False), (True, True)])
+def test_a_notebook_session_pins_its_shared_kernel_only_when_the_config_asks(monkeypatch, caplog, value, pins):
+    """A Session's engine runs in a kernel shared with other sessions: RETURNN's default (pin the run's own
+    process) applies to the CLI and torchrun; a Session pins only with gpu_local_cpu_affinity set explicitly."""
+    import logging
+
+    from kit.config import Config
+    from kit.engine import build, cpu_affinity, parts
+
+    calls: list[str] = []
+    monkeypatch.setattr(build, "select_device", lambda requested: (torch.device("cuda", 0), "test"))
+    monkeypatch.setattr(cpu_affinity, "pin_for_engine", lambda enabled, dev, dist: calls.append("pin"))
+
+    def datasets(config: Any) -> Any:
+        raise _Stop
+
+    monkeypatch.setattr(parts, "build_datasets", datasets)
+    config = Config({} if value is None else {"gpu_local_cpu_affinity": value})
+    with caplog.at_level(logging.INFO, logger="kit"), pytest.raises(_Stop):
+        build.build_parts(config, events=None, training=False, shared_process=True)  # type: ignore[arg-type]
+    assert calls == (["pin"] if pins else [])
+    assert ("other sessions too" in caplog.text) is not pins
