@@ -224,17 +224,21 @@ class OptimizerStep:
 
     def host_state_dict(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``optimizer.state_dict()`` with Python scalars again where this made device tensors (a copy; the
-        optimizer's own dicts are not touched)."""
-        def group(g: dict[str, Any]) -> dict[str, Any]:
-            lr = g["lr"]
-            return {**g, "lr": lr.item()} if any(lr is mine for mine in self._lrs) else g
-
-        def entry(k: str, v: Any) -> Any:
-            kind = self._state_types.get(k)
-            return kind(v.item()) if kind is not None and isinstance(v, torch.Tensor) and v.dim() == 0 else v
-
-        return {**state_dict, "param_groups": [group(g) for g in state_dict["param_groups"]],
-                "state": {i: {k: entry(k, v) for k, v in s.items()} for i, s in state_dict["state"].items()}}
+        optimizer's own dicts are not touched). One device read for all of them."""
+        groups = [dict(g) for g in state_dict["param_groups"]]
+        states = {i: dict(s) for i, s in state_dict["state"].items()}
+        places: list[tuple[dict[str, Any], str, type]] = [
+            (g, "lr", float) for g in groups if any(g["lr"] is mine for mine in self._lrs)]
+        for s in states.values():
+            for k, v in s.items():
+                kind = self._state_types.get(k)
+                if kind is not None and isinstance(v, torch.Tensor) and v.dim() == 0:
+                    places.append((s, k, kind))
+        if places:
+            values = torch.stack([d[k].to(torch.float64) for d, k, _ in places]).tolist()
+            for (d, k, kind), value in zip(places, values):
+                d[k] = kind(round(value)) if kind is int else kind(value)
+        return {**state_dict, "param_groups": groups, "state": states}
 
     # ---- what the graph reads --------------------------------------------------------------
 
