@@ -188,6 +188,7 @@ class OptimizerStep:
         update compiles (when asked) and captures again."""
         self._graph, self._graph_inputs = None, []
         self._compiled, self._warm = None, False
+        self._lrs = [g["lr"] for g in self.optimizer.param_groups if any(g["lr"] is lr for lr in self._lrs)]
 
     # ---- what a graph would freeze ---------------------------------------------------------
 
@@ -196,7 +197,6 @@ class OptimizerStep:
         for group in self.optimizer.param_groups:
             if not isinstance(group["lr"], torch.Tensor):
                 group["lr"] = self._device_scalar(float(group["lr"]))
-                self._lrs = [lr for lr in self._lrs if any(lr is g["lr"] for g in self.optimizer.param_groups)]
                 self._lrs.append(group["lr"])
         for state in self.optimizer.state.values():
             for k, v in list(state.items()):
