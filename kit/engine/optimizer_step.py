@@ -12,9 +12,9 @@ freeze as a constant is a 0-d device tensor updated in place instead: each group
 writes into it) and the Python-scalar optimizer state named in ``dynamic_state_keys`` (any other Python
 scalar in the state is an error). The optimizer's state dict (checkpoints) keeps RETURNN's Python scalars
 (:meth:`OptimizerStep.host_state_dict`). When a parameter, gradient, lr or state tensor is replaced (a loaded
-optimizer state, gradients set to None) the next update captures again; the gradients are zeroed in place
-while this is on. Limits, as in RETURNN: one device, no float16 GradScaler, not with ``torch_cuda_graph``'s
-``capture_optimizer``; ``capture`` needs CUDA.
+optimizer state, gradients set to None) the next update runs outside a graph and the one after captures
+again; the gradients are zeroed in place while this is on. Limits, as in RETURNN: one device, no float16
+GradScaler, not with ``torch_cuda_graph``'s ``capture_optimizer``; ``capture`` needs CUDA.
 
 kit compiles with ``torch.compile`` (RETURNN traces with AOT autograd instead): torch's own optimizers read
 their step counters on the host outside a compiler, which only Dynamo's trace avoids.
@@ -128,7 +128,7 @@ class OptimizerStep:
                 self.replays += 1
                 return
             logger.info("%s: parameters, gradients or optimizer state were replaced; capturing again", KEY)
-            self.invalidate()
+            self._graph, self._graph_inputs, self._warm = None, [], False  # a warm run first (a recompile if any)
         if self.eager_steps == 0:
             self._eager()  # creates the optimizer's lazy state
             return

@@ -161,3 +161,52 @@ def test_a_python_scalar_in_the_optimizer_state_needs_dynamic_state_keys(tmp_pat
     assert state is not None
     assert {type(s["step"]) for s in state["state"].values()} == {int}  # a Python int again in the checkpoint
     assert {s["step"] for s in state["state"].values()} == {4}
+
+
+# ---- the capture's bookkeeping, with a stand-in for the CUDA graph ---------------------------------------
+
+
+class FakeGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` on the CPU: counts replays (the bookkeeping, not the numbers)."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def test_a_replaced_tensor_or_a_loaded_state_is_captured_again(monkeypatch, caplog):
+    from contextlib import nullcontext
+
+    from kit.engine.optimizer_step import OptimizerStep
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, **_: nullcontext())
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    runner = OptimizerStep(opt, OptimizerStepOptions(compile=False, capture=True))
+
+    def update(set_to_none: bool = False):
+        opt.zero_grad(set_to_none=set_to_none)
+        model(torch.ones(1, 3)).sum().backward()
+        runner.step()
+
+    for _ in range(5):
+        update()
+    assert (runner.eager_steps, runner.captures, runner.replays) == (2, 1, 3)  # eager, warm, capture, 2 replays
+    with caplog.at_level(logging.INFO, logger="kit"):
+        update(set_to_none=True)  # new gradient tensors: the graph would read the old ones
+    assert "replaced; capturing again" in caplog.text
+    assert (runner.eager_steps, runner.captures, runner.replays) == (3, 1, 3)  # a warm run outside any capture
+    update()
+    update()
+    assert (runner.captures, runner.replays) == (2, 5)  # captured again, then replayed
+    state = runner.host_state_dict(opt.state_dict())
+    assert type(state["param_groups"][0]["lr"]) is float
+    opt.load_state_dict(state)  # what Updater.load_state_dict does, then invalidate
+    runner.invalidate()
+    update()
+    update()
+    assert (runner.eager_steps, runner.captures) == (4, 3)  # a warm eager step on the new state, then capture
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
