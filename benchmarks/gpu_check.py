@@ -20,6 +20,9 @@ with a simulated OOM, to test the script itself). Prints one table:
    ``Session.train_steps`` eager and with the whole step captured (every batch full, so no padding
    sequences), interleaved with the hand-written float32 loop; median step-time ratios, and the
    per-step losses of the graphed session against the eager one over the same batches.
+5. **optimizer step** (``torch_optimizer_step``, compile + capture, AdamW ``capturable``): per-step losses
+   against the eager optimizer step, the phase counters (one eager, one compiled, then replays), and the
+   median step-time ratio.
 5. **overlap**: step time of Sessions reading the same sequences from HDF files (the prefetch
    thread, pinned batches, ``non_blocking`` copies) and from memory, interleaved, median ratio.
 5. **OOM split**: ``Session.forward`` of a batch whose forward really runs out of device
@@ -158,6 +161,33 @@ def check_cuda_graph(w: e.Workload, rounds: int = 9, turn: int = 8) -> None:
     row("cuda graph: step, graphed / hand loop", f"{statistics.median(vs_loop):.3f}x", None)
     eager_s.close()
     graphed_s.close()
+
+
+def check_optimizer_step(w: e.Workload, steps: int = 8, rounds: int = 7, turn: int = 8) -> None:
+    """``torch_optimizer_step`` (compile + capture, AdamW capturable): the same per-step losses as the eager
+    optimizer step (first step eager, second compiled, then captured and replayed); step-time ratio."""
+    torch.manual_seed(0)
+    base = w.make_model()
+    adamw = {"class": "adamw", "capturable": True}
+    eager_s = session(copy.deepcopy(base).to(DEVICE), w, optimizer=adamw)
+    captured_s = session(copy.deepcopy(base).to(DEVICE), w, optimizer=adamw, torch_optimizer_step={})
+    losses: dict[str, list[float]] = {"eager": [], "captured": []}
+    for name, sess in (("eager", eager_s), ("captured", captured_s)):
+        sess.engine.events.on("step_end", lambda result, name=name: losses[name].append(result.losses["ce"]))
+        sess.train_steps(steps)
+    runner = captured_s.engine.compiled_optimizer_step
+    phases = (runner.eager_steps, runner.compiled_steps, runner.captures, runner.replays)
+    same = max(abs(a - b) / abs(a) for a, b in zip(losses["eager"], losses["captured"]))
+    row("optimizer step: losses, captured vs eager", f"max rel diff {same:.1e} over {steps} steps; eager, "
+        f"compiled, captures, replays {phases}", same < 1e-3 and phases == (1, 1, 1, steps - 2))
+    ratios = []
+    for r in range(rounds):
+        order = [("eager", eager_s), ("captured", captured_s)][:: -1 if r % 2 else 1]
+        t = {name: timed(lambda sess=sess: sess.train_steps(turn)) for name, sess in order}
+        ratios.append(t["captured"] / t["eager"])
+    row("optimizer step: step, captured / eager", f"{statistics.median(ratios):.3f}x", None)
+    eager_s.close()
+    captured_s.close()
 
 
 def check_overlap(w: e.Workload, rounds: int = 7, turn: int = 8) -> None:
@@ -378,7 +408,8 @@ def main() -> int:
               "(--dry-run runs the throughput and OOM-split checks on the CPU, to test the script itself.)")
         return 0
     w = gpu_workload()
-    checks = [check_throughput, check_syncs, check_memory, check_cuda_graph, check_processes, check_overlap]
+    checks = [check_throughput, check_syncs, check_memory, check_cuda_graph, check_optimizer_step, check_processes,
+              check_overlap]
     if dry_run:
         DEVICE, checks = "cpu", [check_throughput, check_processes, check_overlap]
         w.max_seqs, w.num_seqs = 4, 4 * 4

@@ -130,7 +130,6 @@ _OTHER: list[ReturnnKey] = [
     _u("target", 'RETURNN\'s `task="analyze_data"` (returnn/__main__.py analyze_data) and TF layers; kit has no such task (train_step names its targets)'),
     _u("torch_cuda_graph"),
     _n("torch_dataloader_shard_workers", "RETURNN's DataLoader sharding over workers (returnn/torch/data/returnn_dataset_wrapper.py); kit's workers always share out the data (RETURNN's True, its default since behavior_version 37); False (every worker yields all data) warns", None, True),
-    _u("torch_optimizer_step", "RETURNN (returnn/torch/updater.py, returnn/torch/util/optimizer_step.py) compiles and CUDA-graph-captures the optimizer step separately; kit runs the optimizer step eagerly (torch_cuda_graph's capture_optimizer captures it with the step)"),
     _u("torch_profile"),
     _u("torch_watch_stall", "see docs/config.md"),
     _t("train_dummy_dataset_num_seqs", "with use_dummy_datasets: the dummy train dataset's sequences (RETURNN's default 1000)"),
@@ -157,8 +156,8 @@ _SAME = (
     "packed_batch_cost_dev packed_batch_cost_train packed_batch_size packed_batch_size_dev packed_batch_size_train "
     "preload_from_files "
     "random_seed save_interval start_batch start_epoch stop_on_nonfinite_train_score task torch_amp torch_dataloader_opts "
-    "torch_batching torch_distributed torch_log_memory_usage train train_step use_tensorboard tensorboard_opts window "
-    "shuffle_frames_of_nseqs"
+    "torch_batching torch_distributed torch_log_memory_usage torch_optimizer_step train train_step use_tensorboard "
+    "tensorboard_opts window shuffle_frames_of_nseqs"
 ).split()
 
 RETURNN_KEYS: dict[str, ReturnnKey] = {k.name: k for k in _OTHER}

@@ -35,6 +35,11 @@ def _cuda_graph_spec(v: Any) -> str | None:
     return check_spec(v)
 
 
+def _optimizer_step_spec(v: Any) -> str | None:
+    from kit.engine.optimizer_step import check_spec  # torch only when a config sets the key
+
+    return check_spec(v)
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -430,6 +435,7 @@ _KEYS: list[Key] = [
     _k("training", "torch_amp", "str | dict", None, "autocast dtype: 'float16' / 'bfloat16' / {'dtype': .., 'grad_scaler': {..}}", amp_spec),
     _k("training", "grad_scaler", "dict | bool", None, "GradScaler options; default: on for float16 only; False disables"),
     _k("training", "torch_cuda_graph", "dict", None, "RETURNN's whole-step CUDA graph / Inductor compile: {'batch_size_bound': n, 'dim_capacity': {key: frames}, 'warmup_steps', 'capture_optimizer', 'compile', 'capture', 'mask_padding_seqs'}; capture needs CUDA (docs/cuda_graph.md)", _cuda_graph_spec),
+    _k("training", "torch_optimizer_step", "dict", None, "RETURNN's separately compiled / CUDA-graph-captured optimizer step: {'compile': True, 'capture': True, 'dynamic_state_keys': [..]}; first update eager, then compiled, then captured and replayed; capture needs CUDA; not with a float16 GradScaler or torch_cuda_graph's capture_optimizer (docs/optimizer_step.md)", _optimizer_step_spec),
     _k("training", "stop_on_nonfinite_train_score", "bool", True, "check every micro-batch's losses and the gradients (before clipping); no update from NaN/Inf; raise NonFiniteLossError", boolean),
     _k("training", "nonfinite_check", "str", "auto", "when the guard's device flag is read: 'immediate' (after each micro-batch), 'deferred' (at log lines, checkpoints, epoch ends and train_* returns; the update is skipped on the device), 'auto' (immediate on CPU or with nonfinite_policy='skip', else deferred)", one_of("auto", "immediate", "deferred")),
     _k("training", "nonfinite_policy", "str", "raise", "'raise' or 'skip' a non-finite update", one_of("raise", "skip")),

@@ -101,7 +101,7 @@ def build_training(config: Config, built: Built) -> Training:
     check_accepts_kwargs(config.typed_value("train_step"), "train_step")
     if built.datasets.get("train") is None:
         raise ConfigError("config key 'train' is not set: training needs a dataset")
-    updater = Updater(config, built.model)
+    updater = Updater(config, built.model, grad_scaler=built.compute.grad_scaler is not None)
     lr_control = make_lr_control(config, built.scores)
     make_pipeline = built.dist.pipeline if built.dist else Pipeline.from_config  # a rank's share of each epoch
     pipeline = make_pipeline(built.datasets["train"], config, train=True, extern_data=built.extern_data)

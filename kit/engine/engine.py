@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from kit.checkpoints.lock import PrefixLock
     from kit.data.batch import Batch
     from kit.engine.lr_control import LearningRateControl
+    from kit.engine.optimizer_step import OptimizerStep
     from kit.engine.parts import Built, Training
 
 __all__ = ["Engine", "StepOptions", "StepResult"]
@@ -147,6 +148,11 @@ class Engine:
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         return self._training.updater.optimizer if self._training is not None else None
+
+    @property
+    def compiled_optimizer_step(self) -> OptimizerStep | None:
+        """``torch_optimizer_step``'s compiled / captured optimizer step (its phase counters); None when unset."""
+        return self._training.updater.compiled_step if self._training is not None else None
 
     @property
     def device(self) -> torch.device | None:

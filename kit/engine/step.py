@@ -162,7 +162,7 @@ def update(p: Progress, b: Built, t: Training,
         scaler.step(optimizer)
         scaler.update()
     else:
-        optimizer.step()
+        t.updater.optimizer_step()  # torch_optimizer_step: compiled / captured
     p.update_done()
     if b.dist is not None:  # reduce_type "param": the weights are averaged every param_sync_step updates
         b.dist.after_update(b.model, p.num_updates)

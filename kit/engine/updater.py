@@ -33,6 +33,7 @@ from kit.engine.optimizer_check import (  # noqa: F401 - resolve_* and optimizer
     resolve_dotted,
     resolve_optimizer_class,
 )
+from kit.engine.optimizer_step import OptimizerStep, OptimizerStepOptions
 from kit.errors import ConfigError, KitError
 from kit.signatures import keyword_names
 
@@ -52,7 +53,7 @@ def default_weight_decay_blacklist() -> tuple[type, ...]:
 class Updater:
     """Wraps the ``torch.optim.Optimizer`` built from config; sets LR, clips and noises gradients."""
 
-    def __init__(self, config: Config, model: torch.nn.Module):
+    def __init__(self, config: Config, model: torch.nn.Module, *, grad_scaler: bool = False):
         self.config = config
         self.model = model
         self.learning_rate: float = config.float("learning_rate")
@@ -60,7 +61,19 @@ class Updater:
         self._grad_clip_norm = _clip_norm_setting(config)
         self._grad_noise = config.float("gradient_noise")
         self.optimizer: torch.optim.Optimizer = self._create_optimizer()
+        self.compiled_step = self._compiled_step(grad_scaler)
         self.set_learning_rate(self.learning_rate)
+
+    def _compiled_step(self, grad_scaler: bool) -> OptimizerStep | None:
+        """RETURNN's ``torch_optimizer_step`` (its limits checked), or None: the optimizer steps eagerly."""
+        opts = OptimizerStepOptions.read(self.config.typed_value("torch_optimizer_step"))
+        if opts is None:
+            return None
+        graph = self.config.typed_value("torch_cuda_graph")
+        runner = OptimizerStep(self.optimizer, opts)
+        opts.check_setting(device=runner.device, grad_scaler=grad_scaler,
+                           capture_optimizer=isinstance(graph, dict) and bool(graph.get("capture_optimizer")))
+        return runner
 
     # ---- construction -------------------------------------------------------------------
 
@@ -192,8 +205,12 @@ class Updater:
     def set_learning_rate(self, lr: float) -> None:
         """Set every group's lr to ``lr × learning_rate_multiplier`` (Python floats, no tensors)."""
         self.learning_rate = float(lr)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.learning_rate * group.get("learning_rate_multiplier", 1.0)
+        lrs = [self.learning_rate * group.get("learning_rate_multiplier", 1.0) for group in self.optimizer.param_groups]
+        if self.compiled_step is not None:  # device tensors a graph reads: written in place
+            self.compiled_step.set_learning_rates(lrs)
+            return
+        for group, group_lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = group_lr
 
     # ---- gradients ----------------------------------------------------------------------
 
@@ -253,11 +270,16 @@ class Updater:
         return norm
 
     def optimizer_step(self) -> None:
-        self.optimizer.step()
+        """``optimizer.step()``, or its compiled / captured form (``torch_optimizer_step``)."""
+        if self.compiled_step is not None:
+            self.compiled_step.step()
+        else:
+            self.optimizer.step()
 
     def zero_grad(self) -> None:
-        """Every gradient to None (a new accumulation window)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        """Every gradient to None (a new accumulation window); zeroed in place instead under
+        ``torch_optimizer_step`` (a captured step reads them where they are)."""
+        self.optimizer.zero_grad(set_to_none=self.compiled_step is None)
 
     # ---- state --------------------------------------------------------------------------
 
@@ -267,8 +289,11 @@ class Updater:
         return [names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(self.parameters())]
 
     def state_dict(self) -> dict[str, Any]:
+        optimizer = self.optimizer.state_dict()
+        if self.compiled_step is not None:  # RETURNN's checkpoint: Python scalars for lrs and counters
+            optimizer = self.compiled_step.host_state_dict(optimizer)
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "optimizer_class": type(self.optimizer).__qualname__,
             "learning_rate": self.learning_rate,
             "param_names": self.param_names(),
@@ -292,6 +317,8 @@ class Updater:
                 + ("" if missing or extra else "; same names in another order or grouping")
             )
         self.optimizer.load_state_dict(opt_state)
+        if self.compiled_step is not None:  # new state tensors (and Python scalars again)
+            self.compiled_step.invalidate()
         self.learning_rate = float(state.get("learning_rate", self.learning_rate))
 
 
