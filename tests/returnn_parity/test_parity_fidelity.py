@@ -299,18 +299,24 @@ def test_batch_size_dev_and_train_as_in_returnn(caplog):
 
 
 def test_old_optimizer_states_deleted_as_returnn_deletes_them(tmp_path):
+    """RETURNN's rule: saving epoch N deletes epoch N-2's optimizer state — kit's, and RETURNN's own (RETURNN alone
+    would have deleted it); a file under that name that is no optimizer state stays."""
+    import torch
+
     from kit.compat.run_files import delete_old_optimizer_state
 
     prefix = str(tmp_path / "model")
-    for epoch in (1, 2, 3, 4):
-        for suffix in (".pt", ".opt.pt"):
-            Path(f"{prefix}.{epoch:03d}{suffix}").write_bytes(b"x")
-    for epoch in (2, 3, 4):  # kit wrote epochs 2-4 (their manifests); RETURNN epoch 1
-        Path(f"{prefix}.{epoch:03d}.manifest.json").write_text("{}")
+    opt = {"optimizer": {"state": {}, "param_groups": []}, "param_names": [], "epoch": 1}
+    for epoch in (1, 2, 3, 4, 5):
+        torch.save({"model": {}, "epoch": epoch}, f"{prefix}.{epoch:03d}.pt")
+    torch.save(opt, f"{prefix}.001.opt.pt")  # RETURNN's
+    for epoch in (2, 4, 5):  # kit's training states carry kit's mark
+        torch.save({**opt, "kit_version": "0.2.0", "progress": {}, "rng": {}}, f"{prefix}.{epoch:03d}.opt.pt")
+    Path(f"{prefix}.003.opt.pt").write_bytes(b"not an optimizer state")
     assert delete_old_optimizer_state(prefix, 2) is None  # epoch 0 does not exist
-    assert delete_old_optimizer_state(prefix, 3) is None  # RETURNN's file: kit never deletes it
-    assert delete_old_optimizer_state(prefix, 4, keep_logic=True) is None  # left to cleanup_old_models
-    assert delete_old_optimizer_state(prefix, 4) == f"{prefix}.002.opt.pt"
-    assert sorted(p.name for p in tmp_path.iterdir() if "manifest" not in p.name) == [
-        "model.001.opt.pt", "model.001.pt", "model.002.pt", "model.003.opt.pt", "model.003.pt",
-        "model.004.opt.pt", "model.004.pt"]
+    assert delete_old_optimizer_state(prefix, 3, keep_logic=True) is None  # left to cleanup_old_models
+    assert delete_old_optimizer_state(prefix, 3) == f"{prefix}.001.opt.pt"  # RETURNN's own state, by its rule
+    assert delete_old_optimizer_state(prefix, 4) == f"{prefix}.002.opt.pt"  # kit's
+    assert delete_old_optimizer_state(prefix, 5) is None  # not an optimizer state: stays
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".opt.pt")) == [
+        "model.003.opt.pt", "model.004.opt.pt", "model.005.opt.pt"]

@@ -21,6 +21,7 @@ from tests.returnn_compat.returnn_helpers import needs_returnn, run_python  # no
 CONFIG = r'''#!rnn.py
 # RUN_DIR, STEP_LOG, HDF (the train file) and NSEQS (shuffle_frames_of_nseqs) come from the environment
 import os
+import sys
 import numpy
 import torch
 import returnn.frontend as rf
@@ -33,6 +34,20 @@ task = "train"
 device = "cpu"
 random_seed = 7
 train = {"class": "HDFDataset", "files": [os.environ["HDF"]], "cache_byte_size": 10**8}
+if "kit.engine" not in sys.modules:
+    # RETURNN's CachedDataset preloads (and shuffles) on a thread that marks sequences loaded before it shuffles
+    # them: under load the first batch may get the file's frames. Its preload runs in place here, so RETURNN gives
+    # what its code means to give, every run (kit has no such thread).
+    import returnn.datasets.cached as _cached
+
+    class _InPlace:
+        def __init__(self, target, args=(), daemon=None):
+            self.target, self.args = target, args
+
+        def start(self):
+            self.target(*self.args)
+
+    _cached.threading = type("threading", (), {"Thread": _InPlace})
 shuffle_frames_of_nseqs = int(os.environ.get("NSEQS", "3"))
 extern_data = {"data": {"dim": 3}}
 batch_size = 100
