@@ -30,7 +30,8 @@ def run_in_folder(folder: str) -> tuple[str, str]:
     prefixes = sorted({n.split(".")[0] for n in names if n.endswith(".pt")})
     if not scores and len(prefixes) == 1:
         prefix = os.path.join(folder, prefixes[0])
-        return prefix, prefix + SCORE_SUFFIX
+        returnn_table = os.path.join(folder, "learning_rates")  # a RETURNN run's learning_rate_file, by its usual name
+        return prefix, returnn_table if os.path.isfile(returnn_table) else prefix + SCORE_SUFFIX
     if not scores and not prefixes:
         raise KitError(f"{folder}: no score file (*{SCORE_SUFFIX}) and no checkpoints (*.pt) in this folder")
     found = ", ".join(scores or [p + ".*.pt" for p in prefixes])
@@ -101,12 +102,14 @@ def checkpoints_text(found: list[Checkpoint], table: ScoreTable | None, prefix: 
     rows = [["name", "kind", "epoch", "step", "size", "verified", *keys]]
     total = 0
     for c in found:
+        # an epoch's training state removed by RETURNN's rule (last two epochs kept): its weights still count
+        weights_only = c.complete and not os.path.exists(c.opt_path)
         if not c.complete:
             state = "incomplete"
         else:
             try:
-                checkpoints.verify(c)
-                state = "ok"
+                checkpoints.verify(c, train_state=not weights_only)
+                state = "ok, weights only" if weights_only else "ok"
             except CheckpointError as exc:
                 state = "CORRUPT: " + str(exc).split(":")[-1].strip()[:40]
         total += c.size

@@ -263,7 +263,7 @@ def test_train_without_a_terminal_has_log_lines_and_no_bar(trained):
     assert "%|" not in trained["proc"].stderr and "%|" not in trained["proc"].stdout
 
 
-def test_a_run_in_returnns_layout_leaves_returnns_files_and_attach_still_follows_it(tmp_path):
+def test_a_run_in_returnns_layout_leaves_returnns_files_and_attach_still_follows_it(tmp_path, capsys):
     """With learning_rate_file (RETURNN's layout) the run directory holds only what RETURNN leaves: the model
     files, the last two optimizer states and the learning-rate file; the event log lives in kit's state
     directory, where kit.attach finds it."""
@@ -280,3 +280,10 @@ def test_a_run_in_returnns_layout_leaves_returnns_files_and_attach_still_follows
     assert [e["epoch"] for e in watched.events if e["event"] == "epoch_end"] == [1, 2, 3]
     assert watched.checkpoints == ["model.001", "model.002", "model.003"]
     assert str(run) not in os.path.dirname(kit.eventlog.run_base(str(run / "model")))
+    # the next things a user does: the folder's scores (RETURNN's learning_rate_file) and checkpoints
+    assert main(["scores", str(run)]) == 0
+    assert "dev_loss_ce" in capsys.readouterr().out
+    assert main(["checkpoints", str(run)]) == 0
+    listing = capsys.readouterr().out
+    assert re.search(r"model\.001 .* ok, weights only", listing)  # its .opt.pt went by RETURNN's rule
+    assert re.search(r"model\.003 .* ok ", listing) and "CORRUPT" not in listing

@@ -432,9 +432,10 @@ def _verify(ckpt: Checkpoint, *, train_state: bool = True) -> dict:
     return manifest
 
 
-def verify(ckpt: Checkpoint) -> None:
-    """Check the manifest and both files (presence, size, sha256); raises :class:`CorruptCheckpointError`."""
-    _verify(ckpt)
+def verify(ckpt: Checkpoint, *, train_state: bool = True) -> None:
+    """Check the manifest and both files (presence, size, sha256); raises :class:`CorruptCheckpointError`.
+    ``train_state=False``: the model file only (the weights, e.g. when the training state was removed)."""
+    _verify(ckpt, train_state=train_state)
 
 
 def latest(prefix: str, *, verify: bool = True) -> Checkpoint | None:

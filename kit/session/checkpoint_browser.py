@@ -68,11 +68,12 @@ class CheckpointBrowser:
         return match[-1]
 
     def verified(self, ckpt: checkpoints.Checkpoint) -> bool:
-        """Whether the files match the manifest's sha256 (remembered while no file changes)."""
+        """Whether the files match the manifest's sha256 (remembered while no file changes); an epoch whose
+        training state was removed (RETURNN's rule keeps the last two) is judged by its weights."""
         key = (ckpt.path, *(_stat_key(p) for p in (ckpt.path, ckpt.opt_path, ckpt.manifest_path)))
         if key not in _VERIFIED:
             try:
-                checkpoints.verify(ckpt)
+                checkpoints.verify(ckpt, train_state=os.path.exists(ckpt.opt_path))
                 _VERIFIED[key] = True
             except CheckpointError:
                 _VERIFIED[key] = False
