@@ -102,7 +102,7 @@ _OTHER: list[ReturnnKey] = [
     _u("loss_name", "returnn/__main__.py passes it to eval_model for task='eval'; only RETURNN's TF engine takes it (returnn/torch/engine.py eval_model has no such parameter)"),
     _u("need_data", "RETURNN's own process start (returnn/__main__.py need_data: False skips loading train/dev/eval); kit builds the datasets a command uses when it uses them"),
     _n("on_size_limit", "RETURNN's Dataset.get_default_kwargs_eval: chunking inside RETURNN's dev/eval Dataset objects, which only the TF engine's batches use", 'ignore', None),
-    _u("onnx_export", "RETURNN's ONNX export tool (returnn/util/basic.py is_onnx_export_global, read by its tensor dims); kit has no ONNX export task"),
+    _g("onnx_export", "read by RETURNN's tensor dims (returnn/util/basic.py is_onnx_export_global) from RETURNN's global config, which kit sets around the config's user code"),
     _u("output_file", "RETURNN's forward-to-HDF task (returnn/__main__.py, the TF net-dict branch of task='forward'; TensorFlow backend); kit's forward: forward_callback, or `--output` (npz)"),
     _u("output_per_seq_file_format", "returnn/__main__.py passes it to eval_model for task='eval'; only RETURNN's TF engine takes it (returnn/torch/engine.py eval_model has no such parameter)"),
     _u("output_per_seq_format", "returnn/__main__.py passes it to eval_model for task='eval'; only RETURNN's TF engine takes it (returnn/torch/engine.py eval_model has no such parameter)"),

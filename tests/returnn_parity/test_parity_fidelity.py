@@ -132,10 +132,10 @@ def test_returnns_global_config_and_behavior_version_reach_the_frontend(tmp_path
             "        x = rf.dropout(x, 0.3, axis=rf.dropout_broadcast_default() and self.layer2.out_dim)\n",
         '    loss.mark_as_loss(name="ce")\n':
             '    loss.mark_as_loss(name="ce")\n'
-            '    from returnn.util.basic import BehaviorVersion\n'
+            '    from returnn.util.basic import BehaviorVersion, is_onnx_export_global\n'
             '    with open(os.environ["RUN_DIR"] + "/seen", "a") as f:\n'
-            '        f.write(f"{BehaviorVersion.get()} {rf.dropout_broadcast_default()}\\n")\n',
-        "num_epochs = 2": f"num_epochs = 2\nbehavior_version = 21\nrf_dropout_broadcast = False\n{loader}",
+            '        f.write(f"{BehaviorVersion.get()} {rf.dropout_broadcast_default()} {is_onnx_export_global()}\\n")\n',
+        "num_epochs = 2": f"num_epochs = 2\nbehavior_version = 21\nrf_dropout_broadcast = False\nonnx_export = True\n{loader}",
     }
     for old, new in edits.items():
         assert old in src, old
@@ -147,7 +147,7 @@ def test_returnns_global_config_and_behavior_version_reach_the_frontend(tmp_path
         args = ["-m", "returnn", str(config)] if runner == "returnn" else ["-m", "kit", "train", str(config)]
         run_python(args, env={"RUN_DIR": str(tmp_path / runner)})
     seen_r, seen_k = ((tmp_path / r / "seen").read_text().splitlines() for r in ("returnn", "kit"))
-    assert set(seen_r) == {"21 False"} and seen_k == seen_r
+    assert set(seen_r) == {"21 False True"} and seen_k == seen_r
     steps_r, steps_k = ((tmp_path / r / "steps").read_text().split() for r in ("returnn", "kit"))
     assert len(steps_r) > 10 and steps_k == steps_r
     _same_weights(tmp_path / "returnn" / "model.002.pt", tmp_path / "kit" / "model.002.pt")
