@@ -21,9 +21,12 @@ os.environ["KIT_TEST"] = "1"
 # kit's state directory (event logs of runs in RETURNN's layout) goes under the test run's temp folder,
 # never into the user's home
 if "KIT_STATE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["KIT_STATE_DIR"] = tempfile.mkdtemp(prefix="kit-test-state-")
+    atexit.register(shutil.rmtree, os.environ["KIT_STATE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture
