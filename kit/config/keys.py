@@ -29,16 +29,28 @@ class Key:
 # ---- reusable checks -------------------------------------------------------------------
 
 
-def _cuda_graph_spec(v: Any) -> str | None:
-    from kit.engine.cuda_graph import check_spec  # torch only when a config sets the key
+def _returnn_options(module: str, options_class: str) -> Check:
+    """A dict of RETURNN's options for a key, checked by ``module.options_class.parse`` (a ConfigError naming the
+    key and the bad option); the module (and torch) is imported only when a config sets the key."""
 
-    return check_spec(v)
+    def check(v: Any) -> str | None:
+        if v is None:
+            return None
+        import importlib
+
+        from kit.errors import ConfigError
+
+        try:
+            getattr(importlib.import_module(module), options_class).parse(v)
+        except ConfigError as exc:
+            return "a dict of RETURNN's options: " + str(exc).split(": ", 1)[1]
+        return None
+
+    return check
 
 
-def _optimizer_step_spec(v: Any) -> str | None:
-    from kit.engine.optimizer_step import check_spec  # torch only when a config sets the key
-
-    return check_spec(v)
+_cuda_graph_spec = _returnn_options("kit.engine.cuda_graph", "GraphOptions")
+_optimizer_step_spec = _returnn_options("kit.engine.optimizer_step", "OptimizerStepOptions")
 
 
 def _is_int(v: Any) -> bool:

@@ -125,17 +125,6 @@ def _positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
-def check_spec(value: Any) -> str | None:
-    """The config registry's check of ``torch_cuda_graph`` (what was expected, or None)."""
-    if value is None:
-        return None
-    try:
-        GraphOptions.parse(value)
-    except ConfigError as exc:
-        return "a dict of RETURNN's options: " + str(exc).split(": ", 1)[1]
-    return None
-
-
 # ---- the static inputs ------------------------------------------------------------------------
 
 

@@ -82,17 +82,6 @@ class OptimizerStepOptions:
                               "(both put the optimizer step into a graph); set one")
 
 
-def check_spec(value: Any) -> str | None:
-    """The config registry's check of ``torch_optimizer_step`` (what was expected, or None)."""
-    if value is None:
-        return None
-    try:
-        OptimizerStepOptions.parse(value)
-    except ConfigError as exc:
-        return "a dict of RETURNN's options: " + str(exc).split(": ", 1)[1]
-    return None
-
-
 def _step_template(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
