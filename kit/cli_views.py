@@ -102,14 +102,12 @@ def checkpoints_text(found: list[Checkpoint], table: ScoreTable | None, prefix: 
     rows = [["name", "kind", "epoch", "step", "size", "verified", *keys]]
     total = 0
     for c in found:
-        # an epoch's training state removed by RETURNN's rule (last two epochs kept): its weights still count
-        weights_only = c.complete and not os.path.exists(c.opt_path)
         if not c.complete:
             state = "incomplete"
         else:
             try:
-                checkpoints.verify(c, train_state=not weights_only)
-                state = "ok, weights only" if weights_only else "ok"
+                checkpoints.verify(c, train_state=not c.weights_only)
+                state = "ok, weights only" if c.weights_only else "ok"
             except CheckpointError as exc:
                 state = "CORRUPT: " + str(exc).split(":")[-1].strip()[:40]
         total += c.size

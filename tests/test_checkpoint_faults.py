@@ -167,8 +167,8 @@ def test_a_flipped_byte_inside_tensor_data_is_caught_although_torch_loads_it(tmp
 def test_resume_reads_each_checkpoint_file_once(tmp_model_prefix, monkeypatch):
     kit.Session(tiny_config(str(tmp_model_prefix), num_epochs=2)).train()
     hashed = []
-    real = ck.files._sha256_of
-    monkeypatch.setattr(ck.files, "_sha256_of", lambda path: hashed.append(os.path.basename(path)) or real(path))
+    real = ck.hashing.sha256_of
+    monkeypatch.setattr(ck.hashing, "sha256_of", lambda path: hashed.append(os.path.basename(path)) or real(path))
     resumed = kit.Session(tiny_config(str(tmp_model_prefix), num_epochs=3))
     resumed.train_step()  # resumes from epoch 2: verified while loaded, not before as well
     assert resumed.epoch == 3 and sorted(hashed) == ["model.002.opt.pt", "model.002.pt"]

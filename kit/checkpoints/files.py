@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import threading
-import time
-from collections.abc import Callable, Mapping
-from typing import IO, Any
-
-import torch
+from collections.abc import Mapping
+from typing import Any
 
 from kit import fileio
-from kit.checkpoints.foreign import foreign_file_error, foreign_files, has_entry
-from kit.checkpoints.manifest import manifest_problem, read_manifest_file
+from kit.checkpoints import hashing
+from kit.checkpoints.foreign import foreign_file_error, foreign_files
+from kit.checkpoints.hashing import hash_in_background, write_torch_file
+from kit.checkpoints.manifest import (  # noqa: F401 - MANIFEST_FORMAT: a public name of this module
+    EMBEDDED,
+    MANIFEST_FORMAT,
+    embedded_manifest,
+    manifest_fields,
+    read_manifest_file,
+)
 from kit.checkpoints.naming import checkpoint_file_pattern, checkpoint_paths
 from kit.checkpoints.safe_load import (  # noqa: F401 - public names of this module before the split
     CheckpointNotFoundError,
@@ -30,11 +32,8 @@ from kit.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpoint
 
 logger = logging.getLogger("kit")
 
-MANIFEST_FORMAT = 1
 _KINDS = ("step", "epoch")  # order at equal global step: a step checkpoint is older than the epoch one
-_HASH_CHUNK = 8 << 20
 _MARK = "kit_version"  # in every file kit writes: see foreign.py
-EMBEDDED = "kit_manifest"  # the model file's entry holding the manifest in RETURNN's layout
 
 
 # ----------------------------------------------------------------------------------------------
@@ -62,6 +61,12 @@ class Checkpoint:
     @property
     def exists(self) -> bool:
         return os.path.exists(self.path)
+
+    @property
+    def weights_only(self) -> bool:
+        """Complete, but its training-state file is gone (RETURNN's rule keeps the last two epochs'): its
+        weights still load and verify (``verify(ckpt, train_state=False)``), training cannot continue from it."""
+        return self.complete and not os.path.exists(self.opt_path)
 
     @property
     def size(self) -> int:
@@ -124,21 +129,6 @@ def _make_checkpoint(prefix: str, epoch: int, step: int | None) -> Checkpoint:
     return Checkpoint(epoch, step, kind, path, opt_path, manifest_path, complete)
 
 
-def embedded_manifest(path: str) -> dict | None:
-    """The manifest inside the model file at ``path`` (RETURNN's layout), or None: no such file, not kit's,
-    no manifest inside, or one that does not read. Reads the file's small index only (tensors are mapped)."""
-    if not has_entry(path, EMBEDDED):
-        return None
-    try:
-        model_file = load(path, mmap=True)
-    except CheckpointError:
-        return None
-    manifest = model_file.get(EMBEDDED) if isinstance(model_file, dict) else None
-    if not isinstance(manifest, dict) or manifest.get("embedded") is not True or manifest_problem(manifest):
-        return None
-    return manifest
-
-
 def _sorted(ckpts: list[Checkpoint]) -> list[Checkpoint]:
     """Order by (global step, epoch, step-kind before epoch-kind).
 
@@ -158,60 +148,6 @@ def _sorted(ckpts: list[Checkpoint]) -> list[Checkpoint]:
 
 # ----------------------------------------------------------------------------------------------
 # saving
-
-
-class _HashingWriter:
-    """Passes writes through to ``f`` while counting bytes and computing sha256.
-
-    A large write is hashed in a helper thread while the main thread writes the same buffer
-    (both run without the GIL); the call returns when both are done, so the buffer torch
-    hands over never needs copying.
-    """
-
-    _PARALLEL_FROM = 1 << 20  # bytes; smaller writes are hashed inline
-
-    def __init__(self, f: IO[bytes], pool: concurrent.futures.Executor):
-        self._f = f
-        self._pool = pool
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-        self.error: BaseException | None = None
-
-    def write(self, data: bytes) -> int:
-        hashing = None
-        if len(data) >= self._PARALLEL_FROM:
-            hashing = self._pool.submit(self.sha256.update, data)
-        else:
-            self.sha256.update(data)
-        self.size += len(data)
-        try:
-            return self._f.write(data)
-        except BaseException as e:
-            self.error = e
-            raise
-        finally:
-            if hashing is not None:
-                hashing.result()
-
-    def flush(self) -> None:
-        self._f.flush()
-
-
-def _write_torch_file(path: str, obj: Any) -> dict:
-    """Atomically ``torch.save`` ``obj`` to ``path``; returns its manifest entry."""
-    with (
-        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kit-checkpoint-sha256") as pool,
-        fileio.atomic_open(path, "wb") as f,
-    ):
-        writer = _HashingWriter(f, pool)
-        try:
-            torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like writer (write, flush)
-        except BaseException:
-            # torch's zip writer replaces a failed write (e.g. ENOSPC) by an opaque "unexpected pos"
-            if writer.error is not None:
-                raise writer.error from None
-            raise
-    return {"name": os.path.basename(path), "size": writer.size, "sha256": writer.sha256.hexdigest()}
 
 
 def _write_manifest(path: str, manifest: dict) -> None:
@@ -248,7 +184,7 @@ def save(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"checkpoint layout must be one of {LAYOUTS}, got {layout!r}")
-    meta = _manifest_fields(epoch, global_train_step, kind, effective_learning_rate, config_digest,
+    meta = manifest_fields(epoch, global_train_step, kind, effective_learning_rate, config_digest,
                             extra_meta, config_keys)
     path, opt_path, manifest_path = checkpoint_paths(
         prefix, epoch, global_train_step=global_train_step, kind=kind
@@ -269,40 +205,14 @@ def save(
         "kit_version": meta["kit_version"],
     }
     if layout == "kit":
-        files = {"model": _write_torch_file(path, model_file), "train_state": _write_train_state(opt_path, train_state)}
+        files = {"model": write_torch_file(path, model_file), "train_state": _write_train_state(opt_path, train_state)}
         _write_manifest(manifest_path, {**meta, "files": files})
     else:
         files = {"model": None, "train_state": _write_train_state(opt_path, train_state)}
-        _write_torch_file(path, {**model_file, EMBEDDED: {**meta, "embedded": True, "files": files}})
+        write_torch_file(path, {**model_file, EMBEDDED: {**meta, "embedded": True, "files": files}})
     logger.info("Saved checkpoint %s", path)
     return Checkpoint(int(epoch), int(global_train_step), kind, path, opt_path, manifest_path, True,
                       embedded=layout == "returnn")
-
-
-def _manifest_fields(epoch: int, global_train_step: int, kind: str, effective_learning_rate: float | None,
-                     config_digest: str, extra_meta: dict | None, config_keys: Mapping[str, str] | None) -> dict:
-    """The manifest without its ``files``; checked before anything is written."""
-    import kit
-
-    try:  # fail before writing hundreds of MB, not when writing the manifest
-        extra_meta = json.loads(json.dumps(dict(extra_meta or {})))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"save: extra_meta must be JSON-serializable ({e})") from e
-    now = time.time()
-    return {
-        "format": MANIFEST_FORMAT,
-        "kind": kind,
-        "epoch": int(epoch),
-        "global_train_step": int(global_train_step),
-        "kit_version": kit.__version__,
-        "torch_version": str(torch.__version__),  # a str subclass that weights_only loading refuses
-        "config_digest": config_digest,
-        "config_keys": dict(config_keys or {}),
-        "effective_learning_rate": None if effective_learning_rate is None else float(effective_learning_rate),
-        "time": now,
-        "time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
-        "extra": extra_meta,
-    }
 
 
 def _write_train_state(opt_path: str, train_state: dict | None) -> dict[str, Any] | None:
@@ -314,7 +224,7 @@ def _write_train_state(opt_path: str, train_state: dict | None) -> dict[str, Any
         return None
     if isinstance(train_state, dict):
         train_state = {**train_state, _MARK: kit.__version__}
-    return _write_torch_file(opt_path, train_state)
+    return write_torch_file(opt_path, train_state)
 
 
 def _remove(*paths: str, directory: str | None) -> None:
@@ -385,14 +295,6 @@ def _check_digest(path: str, entry: dict, digest: str) -> None:
         )
 
 
-def _sha256_of(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _files_of(ckpt: Checkpoint, manifest: dict, *, train_state: bool) -> list[tuple[str, dict]]:
     """(path, manifest entry) of the files to check: the model file, and the training state if wanted."""
     files = [] if manifest["files"]["model"] is None else [(ckpt.path, manifest["files"]["model"])]
@@ -401,34 +303,11 @@ def _files_of(ckpt: Checkpoint, manifest: dict, *, train_state: bool) -> list[tu
     return files
 
 
-def _hash_in_background(paths: list[str]) -> Callable[[], list[str]]:
-    """Start hashing ``paths`` in a thread (sha256 and file reads run without the GIL, so this
-    overlaps with ``torch.load``); the returned function waits and gives the digests."""
-    result: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            result["digests"] = [_sha256_of(p) for p in paths]
-        except BaseException as e:  # handed to the waiting thread
-            result["error"] = e
-
-    thread = threading.Thread(target=work, name="kit-checkpoint-sha256", daemon=True)
-    thread.start()
-
-    def wait() -> list[str]:
-        thread.join()
-        if "error" in result:
-            raise CorruptCheckpointError(f"Cannot read checkpoint files for hashing: {result['error']}")
-        return result["digests"]
-
-    return wait
-
-
 def _verify(ckpt: Checkpoint, *, train_state: bool = True) -> dict:
     manifest = _read_manifest(ckpt)
     for path, entry in _files_of(ckpt, manifest, train_state=train_state):
         _check_size(path, entry)
-        _check_digest(path, entry, _sha256_of(path))
+        _check_digest(path, entry, hashing.sha256_of(path))
     return manifest
 
 
@@ -478,7 +357,7 @@ def load_checkpoint(ckpt: Checkpoint, *, load_train_state: bool = True) -> tuple
         except CorruptCheckpointError:
             refuse_if_code_carrying(path)  # a planted file is not a torn one, whatever its size
             raise
-    digests = _hash_in_background([path for path, _ in files])
+    digests = hash_in_background([path for path, _ in files])
     try:
         model_file = load(ckpt.path)
         if not isinstance(model_file, dict) or "model" not in model_file:

@@ -1,4 +1,5 @@
-"""Reading a checkpoint manifest without trusting it: any malformed one means "incomplete checkpoint".
+"""A checkpoint's manifest: its fields, and reading one without trusting it (any malformed one means
+"incomplete checkpoint"), from its own file or (RETURNN's layout) from inside the model file.
 
 A manifest is small JSON that kit wrote. Whatever else sits under its name — a flipped bit, a
 number like ``1e999``, 100k nested brackets, megabytes of junk, a FIFO or a device — gives a
@@ -11,11 +12,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
+from collections.abc import Mapping
 from typing import Any
 
-from kit import fileio
-from kit.errors import CorruptCheckpointError
+import torch
 
+from kit import fileio
+from kit.checkpoints.foreign import has_entry
+from kit.checkpoints.safe_load import load
+from kit.errors import CheckpointError, CorruptCheckpointError
+
+MANIFEST_FORMAT = 1
+EMBEDDED = "kit_manifest"  # the model file's entry holding the manifest in RETURNN's layout
 MAX_MANIFEST_BYTES = 1 << 20  # kit's manifests are about 1 KB
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 KINDS = ("epoch", "step")
@@ -96,3 +105,44 @@ def manifest_problem(m: Any) -> str | None:
     if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
         return "config_keys is not an object of key -> digest strings"
     return None
+
+
+def manifest_fields(epoch: int, global_train_step: int, kind: str, effective_learning_rate: float | None,
+                     config_digest: str, extra_meta: dict | None, config_keys: Mapping[str, str] | None) -> dict:
+    """The manifest without its ``files``; checked before anything is written."""
+    import kit
+
+    try:  # fail before writing hundreds of MB, not when writing the manifest
+        extra_meta = json.loads(json.dumps(dict(extra_meta or {})))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"save: extra_meta must be JSON-serializable ({e})") from e
+    now = time.time()
+    return {
+        "format": MANIFEST_FORMAT,
+        "kind": kind,
+        "epoch": int(epoch),
+        "global_train_step": int(global_train_step),
+        "kit_version": kit.__version__,
+        "torch_version": str(torch.__version__),  # a str subclass that weights_only loading refuses
+        "config_digest": config_digest,
+        "config_keys": dict(config_keys or {}),
+        "effective_learning_rate": None if effective_learning_rate is None else float(effective_learning_rate),
+        "time": now,
+        "time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(now)),
+        "extra": extra_meta,
+    }
+
+
+def embedded_manifest(path: str) -> dict | None:
+    """The manifest inside the model file at ``path`` (RETURNN's layout), or None: no such file, not kit's,
+    no manifest inside, or one that does not read. Reads the file's small index only (tensors are mapped)."""
+    if not has_entry(path, EMBEDDED):
+        return None
+    try:
+        model_file = load(path, mmap=True)
+    except CheckpointError:
+        return None
+    manifest = model_file.get(EMBEDDED) if isinstance(model_file, dict) else None
+    if not isinstance(manifest, dict) or manifest.get("embedded") is not True or manifest_problem(manifest):
+        return None
+    return manifest

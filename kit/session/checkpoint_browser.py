@@ -73,7 +73,7 @@ class CheckpointBrowser:
         key = (ckpt.path, *(_stat_key(p) for p in (ckpt.path, ckpt.opt_path, ckpt.manifest_path)))
         if key not in _VERIFIED:
             try:
-                checkpoints.verify(ckpt, train_state=os.path.exists(ckpt.opt_path))
+                checkpoints.verify(ckpt, train_state=not ckpt.weights_only)
                 _VERIFIED[key] = True
             except CheckpointError:
                 _VERIFIED[key] = False
