@@ -669,7 +669,7 @@ class Engine:
         if b.dist_is_main:  # after every save, so that disk use stays bounded mid-epoch too
             saving.cleanup(self.config, b.scores, ckpt)
             if kind == "epoch":
-                saving.drop_old_optimizer_state(self.config, ckpt.epoch)
+                saving.drop_old_optimizer_state(self.config, ckpt)
         self.events.emit(CheckpointSaved(ckpt))
         return ckpt
 

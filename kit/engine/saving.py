@@ -54,11 +54,12 @@ def cleanup(config: Config, scores: ScoreTable | None, protect: Checkpoint | Non
     return checkpoints.cleanup(prefix, options, scores=by_epoch, protect=[protect] if protect is not None else [])
 
 
-def drop_old_optimizer_state(config: Config, epoch: int) -> None:
-    """In RETURNN's layout (``run_files``), leave what RETURNN would: the optimizer states of the last two
-    epochs only (``kit.compat.run_files``); kit's own runs keep them all, so that any epoch can be restored."""
+def drop_old_optimizer_state(config: Config, ckpt: Checkpoint) -> None:
+    """After an epoch checkpoint saved in RETURNN's layout (``run_files``; the save decided it), leave what
+    RETURNN would: the optimizer states of the last two epochs only (``kit.compat.run_files``); kit's own runs
+    keep them all, so that any epoch can be restored."""
     from kit.compat.run_files import delete_old_optimizer_state
 
-    if returnn_layout(config):
-        delete_old_optimizer_state(config.typed_value("model"), epoch,
+    if ckpt.embedded:
+        delete_old_optimizer_state(config.typed_value("model"), ckpt.epoch,
                                    keep_logic=config.bool("apply_cleanup_old_models_to_optim_states"))
