@@ -23,6 +23,7 @@ import numpy as np
 
 from kit.data.dataset import Dataset, SeqDict
 from kit.data.frame_shuffle import FrameShuffle, check_frame_aligned, check_group_size
+from kit.data.hdf_raw import RawFiles, RawLayout, Stamp, cheap_to_map, raw_layout, read_rows
 from kit.data.window import check_window, sliding_window
 from kit.errors import ConfigError, DataError
 from kit.fileio import check_regular_file
@@ -70,10 +71,20 @@ class _FileIndex:
         stored = set(fin["targets/data"].keys()) if "targets" in fin else set()
         self.data_keys = (["data"] if self.has_inputs else []) + [k for k in self.target_keys if k in stored]
         self._check_against_data(fin)
+        # where each key's rows lie in the file, to read them without HDF5 (None: through h5py; a key not here yet
+        # is mapped on its first read); see kit.data.hdf_raw
+        self.stamp = Stamp.of(os.stat(path))
+        self.raw: dict[str, RawLayout | None] = {}
+        for key in self.data_keys:
+            if cheap_to_map(fin[self._name(key)]):
+                self.raw[key] = raw_layout(fin[self._name(key)])
+
+    def _name(self, key: str) -> str:
+        return "inputs" if key == "data" and self.has_inputs else f"targets/data/{key}"
 
     def _check_against_data(self, fin: Any) -> None:
         for key in self.data_keys:
-            name = "inputs" if key == "data" and self.has_inputs else f"targets/data/{key}"
+            name = self._name(key)
             ds = fin[name]
             if key != "data" and key not in fin["targets/size"].attrs:
                 raise DataError(f"HDF file {self.path}: target key {key!r} has data but no size "
@@ -106,7 +117,7 @@ class _FileIndex:
         return int(self.has_inputs) + self.target_keys.index(key)
 
 
-MAX_OPEN_FILES = 16  # open h5py files kept per dataset (each holds HDF5's caches, ~3 MB); the rest reopen
+MAX_OPEN_FILES = 16  # open h5py files kept per dataset (each holds HDF5's caches, ~0.5 MB); the rest reopen
 CHUNK_CACHE_BYTES = 1 << 18  # HDF5's chunk cache per open dataset (its default is 1 MiB): sequences are read once
 
 
@@ -141,11 +152,13 @@ def _checked_lengths(path: str, ds: Any, keys: list[str]) -> np.ndarray:
 
 
 class HDFDataset(Dataset):
-    """RETURNN's ``HDFDataset``: one or more HDF files, read lazily with h5py.
+    """RETURNN's ``HDFDataset``: one or more HDF files, read lazily.
 
-    At most ``MAX_OPEN_FILES`` files are open at once (the least recently read is closed when
-    another opens), so memory stays flat with the number of files; reads are serialised by a
-    lock, so the pipeline's prefetch thread and the training thread may both read.
+    Frames stored plainly (no filters) are read straight from the file's bytes, at offsets h5py
+    gives while the index is read (:mod:`kit.data.hdf_raw`); the rest through h5py, with at most
+    ``MAX_OPEN_FILES`` files open at once (the least recently read is closed when another opens),
+    so memory stays flat with the number of files. Reads are serialised by locks, so the
+    pipeline's prefetch thread and the training thread may both read.
 
     Args:
         files: paths of the HDF files (their sequences follow each other in this order).
@@ -186,6 +199,7 @@ class HDFDataset(Dataset):
         self._handles: OrderedDict[int, Any] = OrderedDict()  # the open files, least recently used first
         self._arrays: dict[int, dict[str, Any]] = {}  # per open file: its h5py dataset per data key (looked up once)
         self._lock = threading.RLock()
+        self._raw = RawFiles()  # file descriptors for the rows read without HDF5
         try:
             self._open()
         except BaseException:
@@ -286,6 +300,7 @@ class HDFDataset(Dataset):
                 fin.close()
             self._handles.clear()
             self._arrays.clear()
+        self._raw.close()
 
     @property
     def open_files(self) -> int:
@@ -295,6 +310,7 @@ class HDFDataset(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_handles"], state["_arrays"] = OrderedDict(), {}  # h5py files cannot be pickled; a worker reopens them
+        del state["_raw"]  # nor file descriptors
         state["_frames"] = self._frames.without_cache() if self._frames is not None else None
         del state["_lock"]
         return state
@@ -302,6 +318,7 @@ class HDFDataset(Dataset):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+        self._raw = RawFiles()
 
     def __del__(self) -> None:
         try:
@@ -340,18 +357,37 @@ class HDFDataset(Dataset):
         f, s = self._locate(idx)
         fi = self._index[f]
         out: SeqDict = {}
-        with self._lock:
-            arrays = self._arrays_of(f)
-            for key, ds in arrays.items():
-                c = fi.column(key)
-                try:
-                    out[key] = np.asarray(ds[int(fi.starts[s, c]) : int(fi.starts[s + 1, c])])
-                except _H5_ERRORS as exc:
-                    raise DataError(f"HDF file {fi.path}: key {key!r} of sequence {s} cannot be read "
-                                    f"({type(exc).__name__}: {exc})") from None
+        for key in self.data_keys:
+            c = fi.column(key)
+            a, b = int(fi.starts[s, c]), int(fi.starts[s + 1, c])
+            if key not in fi.raw:
+                self._map(f, key)
+            layout = fi.raw[key]
+            rows = read_rows(self._raw, fi.path, fi.stamp, layout, a, b) if layout is not None else None
+            out[key] = rows if rows is not None else self._read_h5py(f, key, a, b, s)
         if self.window > 1:
             out["data"] = sliding_window(out["data"], self.window)
         return out
+
+    def _map(self, f: int, key: str) -> None:
+        """Where file ``f``'s rows of ``key`` lie (a large chunked dataset is mapped on its first read)."""
+        with self._lock:
+            fi = self._index[f]
+            if key not in fi.raw:
+                try:
+                    fi.raw[key] = raw_layout(self._arrays_of(f)[key])
+                except _H5_ERRORS as exc:
+                    raise DataError(f"HDF file {fi.path}: where key {key!r} lies cannot be read "
+                                    f"({type(exc).__name__}: {exc})") from None
+
+    def _read_h5py(self, f: int, key: str, a: int, b: int, s: int) -> np.ndarray:
+        """Rows ``a:b`` of ``key`` in file ``f`` through h5py (sequence ``s`` of the file, for the error)."""
+        with self._lock:
+            try:
+                return np.asarray(self._arrays_of(f)[key][a:b])
+            except _H5_ERRORS as exc:
+                raise DataError(f"HDF file {self._index[f].path}: key {key!r} of sequence {s} cannot be read "
+                                f"({type(exc).__name__}: {exc})") from None
 
     def _arrays_of(self, f: int) -> dict[str, Any]:
         """File ``f``'s h5py dataset of each data key (opening the file when it is closed)."""
