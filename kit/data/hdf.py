@@ -73,7 +73,7 @@ class _FileIndex:
         self._check_against_data(fin)
         # where each key's rows lie in the file, to read them without HDF5 (None: through h5py; a key not here yet
         # is mapped on its first read); see kit.data.hdf_raw
-        self.stamp = Stamp.of(os.stat(path))
+        self.stamp = Stamp.of_open(fin, path)
         self.raw: dict[str, RawLayout | None] = {}
         for key in self.data_keys:
             if cheap_to_map(fin[self._name(key)]):

@@ -50,6 +50,15 @@ class Stamp:
     def of(cls, st: os.stat_result) -> Stamp:
         return cls(st.st_size, st.st_mtime_ns, st.st_ino)
 
+    @classmethod
+    def of_open(cls, fin: Any, path: str) -> Stamp:
+        """The stamp of the file h5py file ``fin`` has open (its descriptor, so a file replaced at ``path`` since
+        cannot stand in for it); the path's where HDF5's driver has no descriptor."""
+        try:
+            return cls.of(os.fstat(int(fin.id.get_vfd_handle())))
+        except (OSError, ValueError, TypeError, RuntimeError):
+            return cls.of(os.stat(path))
+
 
 @dataclass
 class RawLayout:

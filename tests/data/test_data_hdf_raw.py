@@ -160,12 +160,17 @@ def test_reading_many_files_opens_no_hdf5_file(tmp_path, monkeypatch):
 
 
 @needs_preadv
-def test_a_file_changed_under_the_dataset_is_an_error_naming_it(tmp_path):
+@pytest.mark.parametrize("how", ["rewritten in place", "replaced by rename"])
+def test_a_file_changed_under_the_dataset_is_an_error_naming_it(tmp_path, how):
     path = str(tmp_path / "x.hdf")
     write_returnn_layout(path, _seqs())
     ds = HDFDataset(path)
     ds.close()
-    write_returnn_layout(path, _seqs(n=31, seed=1))  # rewritten in place: the index no longer describes it
+    if how == "rewritten in place":  # the index no longer describes it
+        write_returnn_layout(path, _seqs(n=31, seed=1))
+    else:  # another file, as a tool that writes a new file and renames it over the old one leaves it
+        write_returnn_layout(str(tmp_path / "new.hdf"), _seqs(seed=1))
+        os.replace(tmp_path / "new.hdf", path)
     with pytest.raises(DataError, match=r"x\.hdf changed since its index was read"):
         ds.get_seq(0)
 
