@@ -33,7 +33,7 @@ from kit.errors import DataError
 
 MAX_CHUNKS = 1 << 20  # chunks mapped per dataset (8 bytes each); a dataset with more is read through h5py
 SOON_CHUNKS = 4096  # a dataset with at most this many chunks is mapped while its file's index is read (~1 us a
-# chunk); a larger one on its first read (mapping 1000 files of 100 MB at start would add seconds to the start)
+# chunk); a larger one on its file's second read (mapping 1000 files of 100 MB at start would add seconds)
 MAX_FDS = 64  # file descriptors kept open per dataset of files (no HDF5 state behind them); the rest reopen
 SPAN_SLACK = 4  # one read covers a sequence's chunks when the bytes between them are at most this many times theirs
 

@@ -185,3 +185,43 @@ def test_a_file_cut_short_under_the_dataset_is_an_error_naming_it(tmp_path):
     with pytest.raises(DataError, match=r"x\.hdf.*(cut short|changed since)"):
         for i in range(ds.num_seqs):
             ds.get_seq(i)
+
+
+@needs_preadv
+def test_returnns_own_writer_is_read_through_the_raw_path(tmp_path):
+    """The files RETURNN setups have (SimpleHDFWriter) take the positional reads, with h5py's values."""
+    rhdf = pytest.importorskip("returnn.datasets.hdf", reason="RETURNN writes the file")
+    path = str(tmp_path / "returnn.hdf")
+    seqs = _seqs(n=12)
+    writer = rhdf.SimpleHDFWriter(path, dim=7, ndim=2, extra_type={"classes": (9, 1, "int32")})
+    for i, s in enumerate(seqs):
+        writer.insert_batch(s["data"][None], seq_len={0: [len(s["data"])]}, seq_tag=[f"s{i}"],
+                            extra={"classes": s["classes"][None]})
+    writer.close()
+    ds = HDFDataset(path)
+    with h5py.File(path, "r") as f:
+        assert hdf_raw.raw_layout(f["inputs"]) is not None
+        assert hdf_raw.raw_layout(f["targets/data/classes"]) is not None
+    _assert_reads_as_h5py(ds, path)
+    for i, s in enumerate(seqs):
+        assert np.array_equal(ds.get_seq(i)["data"], s["data"])
+
+
+@needs_preadv
+def test_a_large_dataset_is_mapped_on_its_files_second_read(tmp_path, monkeypatch):
+    """Mapping a big file's chunks (~1 us each) waits until the file is read again: the epoch's first batch
+    reads through h5py; the values are the same either way."""
+    monkeypatch.setattr(hdf_raw, "SOON_CHUNKS", 0)  # every chunked dataset counts as large
+    path = str(tmp_path / "x.hdf")
+    write_returnn_layout(path, _seqs())
+    mapped = []
+    real = hdf_raw.raw_layout
+    monkeypatch.setattr("kit.data.hdf.raw_layout", lambda ds: mapped.append(ds.name) or real(ds))
+    ds = HDFDataset(path)
+    assert mapped == []
+    first = ds.get_seq(3)
+    assert mapped == []
+    ds.get_seq(4)
+    assert sorted(mapped) == ["/inputs", "/targets/data/classes"]
+    assert np.array_equal(first["data"], ds.get_seq(3)["data"])
+    _assert_reads_as_h5py(ds, path)
