@@ -15,8 +15,8 @@ dataset's own dtype and byte order; tested against h5py for both layouts). Anyth
 external or virtual storage, compact layout, chunks never written, types that are not plain
 numbers, a platform without ``os.preadv``) is read through h5py, as before.
 
-A file whose size or modification time changed since its index was read is a ``DataError``: its
-offsets may no longer hold the rows the index promises.
+A file whose size or modification time changed since its index was read, or that was replaced by
+another (a new inode), is a ``DataError``: its offsets may no longer hold the rows the index promises.
 """
 
 from __future__ import annotations
