@@ -19,7 +19,8 @@ from kit.data.dataset import (
 )
 from kit.data.distrib_files import DistributeFilesDataset
 from kit.data.extern_data import DataSpec, ExternData
-from kit.data.hdf import HDFDataset, write_hdf
+from kit.data.hdf import HDFDataset
+from kit.data.hdf_write import write_hdf
 from kit.data.make import make_dataset
 from kit.data.meta import ConcatDataset, MetaDataset, StaticDataset
 from kit.data.options import PipelineOptions

@@ -198,12 +198,13 @@ def read_rows(files: RawFiles, path: str, stamp: Stamp, layout: RawLayout, a: in
     if hi - lo <= SPAN_SLACK * grid.size * chunk_bytes:  # the chunks lie together: one read for all
         data = np.empty(hi - lo, dtype=np.uint8)
         files.read_into(path, stamp, data, lo)
-    else:  # far apart: each chunk read on its own, into one buffer
+        in_order = layout.in_order[r0:r1]
+    else:  # far apart: each chunk read on its own, into one buffer where each row's lie in order
         data, lo = np.empty(grid.size * chunk_bytes, dtype=np.uint8), 0
         for k, o in enumerate(grid.ravel()):
             files.read_into(path, stamp, data[k * chunk_bytes : (k + 1) * chunk_bytes], int(o))
         grid = np.arange(grid.size, dtype=np.int64).reshape(grid.shape) * chunk_bytes
-    in_order = layout.in_order[r0:r1]
+        in_order = np.ones(len(grid), dtype=bool)
     for i in range(r1 - r0):
         start = (r0 + i) * rows
         src = slice(max(a - start, 0), min(b - start, rows))
