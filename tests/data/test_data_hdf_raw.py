@@ -67,6 +67,7 @@ def _assert_reads_as_h5py(ds, path):
 @pytest.mark.parametrize("case, opts", [
     ("chunks across the width", {"chunks": (13, 3)}),  # 7 features: the last column of chunks is partly padding
     ("chunks as wide as a row", {"chunks": (5, 7)}),
+    ("chunks dividing the width", {"chunks": (5, 2), "dim": 8}),  # each row of chunks copied at once
     ("one row per chunk", {"chunks": (1, 7), "class_chunks": (1,)}),
     ("chunks out of order in the file", {"chunks": (13, 3), "reverse": True}),
     ("big-endian float64", {"chunks": (8, 4), "dtype": ">f8"}),
@@ -74,7 +75,7 @@ def _assert_reads_as_h5py(ds, path):
 ])
 def test_raw_reads_equal_h5py(tmp_path, case, opts):
     opts = dict(opts)
-    seqs = _seqs(dtype=np.dtype(opts.pop("dtype", np.float32)))
+    seqs = _seqs(dim=opts.pop("dim", 7), dtype=np.dtype(opts.pop("dtype", np.float32)))
     path = str(tmp_path / "x.hdf")
     if opts.get("chunks") is None:  # h5py's default: one contiguous block per dataset
         _write_contiguous(path, seqs)
@@ -99,11 +100,12 @@ def _write_contiguous(path, seqs):
 
 
 @needs_preadv
-def test_chunks_far_apart_are_read_one_by_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dim, chunks", [(7, (13, 3)), (8, (5, 2))])
+def test_chunks_far_apart_are_read_one_by_one(tmp_path, monkeypatch, dim, chunks):
     """Chunks further apart than SPAN_SLACK times their size are read each on its own, with the same rows."""
     monkeypatch.setattr(hdf_raw, "SPAN_SLACK", 0)
     path = str(tmp_path / "x.hdf")
-    write_returnn_layout(path, _seqs(), reverse=True)
+    write_returnn_layout(path, _seqs(dim=dim), chunks=chunks, reverse=True)
     _assert_reads_as_h5py(HDFDataset(path), path)
 
 
