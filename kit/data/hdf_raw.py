@@ -67,6 +67,9 @@ class RawLayout:
     Contiguous: ``offset``. Chunked: ``chunks`` (the chunk shape, 1-D or 2-D), ``chunk_offsets`` (by chunk grid
     position, ``[row of chunks, column of chunks]``, -1 where a chunk was never written) and ``in_order``
     (per row of chunks: they lie one after the other in the file, left to right, as a writer appends them).
+    ``run_start`` (derived, per row of chunks ``r``): the first row of chunks of the run that ends at ``r``, rows in
+    order whose chunks follow one another in the file (``r + 1`` where row ``r`` is not in order): rows ``r0:r1``
+    are one run of bytes when ``run_start[r1 - 1] <= r0``, a sequence's read checks no more than that.
     """
 
     dtype: np.dtype
@@ -76,13 +79,21 @@ class RawLayout:
     chunk_offsets: np.ndarray | None = None
     in_order: np.ndarray | None = None
 
-    @property
-    def chunk_bytes(self) -> int:
-        return int(np.prod(self.chunks, dtype=np.int64)) * self.dtype.itemsize
-
-    @property
-    def row_elems(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64))
+    def __post_init__(self) -> None:
+        # plain ints, computed once: a sequence's read uses them several times
+        self.width = int(np.prod(self.shape[1:], dtype=np.int64))  # elements per row
+        self.row_bytes = self.width * self.dtype.itemsize
+        self.chunk_bytes = int(np.prod(self.chunks, dtype=np.int64)) * self.dtype.itemsize
+        self.chunk_rows = self.chunks[0] if self.chunks else 0
+        self.chunk_cols = self.chunks[1] if len(self.chunks) > 1 else 1
+        self.run_start = np.zeros(0, dtype=np.int64)
+        if self.chunk_offsets is not None and self.in_order is not None:
+            offsets, good = self.chunk_offsets, self.in_order
+            rows = np.arange(len(offsets), dtype=np.int64)
+            follows = np.zeros(len(offsets), dtype=bool)
+            follows[1:] = good[1:] & good[:-1] & (offsets[1:, 0] == offsets[:-1, -1] + self.chunk_bytes)
+            self.run_start = np.maximum.accumulate(np.where(follows, 0, rows)) if len(rows) else rows
+            self.run_start[~good] = rows[~good] + 1
 
 
 def cheap_to_map(ds: Any) -> bool:
@@ -177,57 +188,64 @@ class RawFiles:
 def read_rows(files: RawFiles, path: str, stamp: Stamp, layout: RawLayout, a: int, b: int) -> np.ndarray | None:
     """Rows ``a:b`` of the dataset (as h5py's ``ds[a:b]`` gives them), or None when a chunk of them was never
     written (h5py fills it in)."""
-    out = np.empty((b - a, *layout.shape[1:]), dtype=layout.dtype)
-    if b <= a:
-        return out
-    if layout.offset is not None:
-        files.read_into(path, stamp, out, layout.offset + a * layout.row_elems * layout.dtype.itemsize)
+    if layout.offset is not None or b <= a:
+        out = np.empty((max(b - a, 0), *layout.shape[1:]), dtype=layout.dtype)
+        if b > a:
+            files.read_into(path, stamp, out, layout.offset + a * layout.row_bytes)  # type: ignore[operator]
         return out
     assert layout.chunk_offsets is not None and layout.in_order is not None
-    rows = layout.chunks[0]
+    rows, chunk_bytes = layout.chunk_rows, layout.chunk_bytes
     r0, r1 = a // rows, (b - 1) // rows + 1
-    grid = layout.chunk_offsets[r0:r1]
-    if (grid < 0).any():
+    # the rows of chunks r0..r1 whole, [rows of chunks * chunk rows, columns of chunks * chunk columns];
+    # the sequence's rows are a view of it (the base is at most two rows of chunks larger)
+    n = layout.chunk_offsets.shape[1]
+    whole = np.empty(((r1 - r0) * rows, n * layout.chunk_cols), dtype=layout.dtype)
+    if int(layout.run_start[r1 - 1]) <= r0:
+        # as a writer appends them: the chunks one after the other, row by row, left to right
+        lo = int(layout.chunk_offsets[r0, 0])
+        if n == 1:  # chunks as wide as a row: the bytes are the rows
+            files.read_into(path, stamp, whole, lo)
+        else:  # one read, one copy of [row of chunks, chunk, row, col] into [row of chunks, row, chunk, col]
+            data = np.empty((r1 - r0) * n * chunk_bytes, dtype=np.uint8)
+            files.read_into(path, stamp, data, lo)
+            _transpose_into(whole, data.view(layout.dtype), r1 - r0, n, layout)
+    elif (layout.chunk_offsets[r0:r1] < 0).any():
         return None
-    chunk_bytes = layout.chunk_bytes
-    if len(layout.chunks) == 1 and (len(grid) == 1 or bool((np.diff(grid[:, 0]) == chunk_bytes).all())):
-        # 1-D chunks one after the other in the file: the rows are one run of bytes
-        files.read_into(path, stamp, out, int(grid[0, 0]) + (a - r0 * rows) * layout.dtype.itemsize)
-        return out
+    else:
+        _read_scattered(files, path, stamp, layout, r0, r1, whole)
+    return whole[a - r0 * rows : b - r0 * rows, : layout.width].reshape(b - a, *layout.shape[1:])
+
+
+def _transpose_into(whole: np.ndarray, elems: np.ndarray, k: int, n: int, layout: RawLayout) -> None:
+    """``k`` rows of ``n`` chunks each, in this order in ``elems``, into ``whole`` ([k * rows, n * cols])."""
+    rows, cols = layout.chunk_rows, layout.chunk_cols
+    whole.reshape(k, rows, n, cols)[:] = elems.reshape(k, n, rows, cols).transpose(0, 2, 1, 3)
+
+
+def _read_scattered(files: RawFiles, path: str, stamp: Stamp, layout: RawLayout, r0: int, r1: int,
+                    whole: np.ndarray) -> None:
+    """Rows of chunks ``r0:r1``, not one after the other in the file, into ``whole``: one read over all when they
+    lie together, else each chunk read on its own; each row of chunks in order is copied at once."""
+    assert layout.chunk_offsets is not None and layout.in_order is not None
+    chunk_bytes, rows, cols = layout.chunk_bytes, layout.chunk_rows, layout.chunk_cols
+    grid, k = layout.chunk_offsets[r0:r1], r1 - r0
+    n = grid.shape[1]
     lo, hi = int(grid.min()), int(grid.max()) + chunk_bytes
     if hi - lo <= SPAN_SLACK * grid.size * chunk_bytes:  # the chunks lie together: one read for all
         data = np.empty(hi - lo, dtype=np.uint8)
         files.read_into(path, stamp, data, lo)
-        in_order = layout.in_order[r0:r1]
-    else:  # far apart: each chunk read on its own, into one buffer where each row's lie in order
-        data, lo = np.empty(grid.size * chunk_bytes, dtype=np.uint8), 0
-        for k, o in enumerate(grid.ravel()):
-            files.read_into(path, stamp, data[k * chunk_bytes : (k + 1) * chunk_bytes], int(o))
-        grid = np.arange(grid.size, dtype=np.int64).reshape(grid.shape) * chunk_bytes
-        in_order = np.ones(len(grid), dtype=bool)
-    for i in range(r1 - r0):
-        start = (r0 + i) * rows
-        src = slice(max(a - start, 0), min(b - start, rows))
-        dst = out[start + src.start - a : start + src.stop - a]
-        _copy_chunk_row(dst, data, grid[i] - lo, bool(in_order[i]), src, layout)
-    return out
+        offsets, in_order = grid - lo, layout.in_order[r0:r1]
+    else:  # far apart: each chunk read on its own, into one buffer where they lie in order
+        data = np.empty(grid.size * chunk_bytes, dtype=np.uint8)
+        for j, o in enumerate(grid.ravel().tolist()):
+            files.read_into(path, stamp, data[j * chunk_bytes : (j + 1) * chunk_bytes], o)
+        offsets, in_order = np.arange(grid.size, dtype=np.int64).reshape(grid.shape) * chunk_bytes, np.ones(k, bool)
+    out = whole.reshape(k, rows, n, cols)
+    for i in range(k):
+        first = int(offsets[i, 0])
+        if in_order[i]:
+            _transpose_into(out[i], data[first : first + n * chunk_bytes].view(layout.dtype), 1, n, layout)
+            continue
+        for j, o in enumerate(offsets[i].tolist()):
+            out[i, :, j] = data[o : o + chunk_bytes].view(layout.dtype).reshape(rows, cols)
 
-
-def _copy_chunk_row(dst: np.ndarray, data: np.ndarray, offsets: np.ndarray, in_order: bool, src: slice,
-                    layout: RawLayout) -> None:
-    """Copy rows ``src`` of one row of chunks (at ``offsets`` in ``data``, left to right) into ``dst``."""
-    rows, cols = layout.chunks[0], (layout.chunks[1] if len(layout.chunks) > 1 else 1)
-    chunk_bytes = layout.chunk_bytes
-    width = layout.shape[1] if len(layout.shape) > 1 else 1
-    flat = dst.reshape(len(dst), width)
-    n = len(offsets)
-    if in_order and width == n * cols:
-        # the row's chunks one after the other, as written: one copy of [chunk, row, col] into [row, chunk, col]
-        first = int(offsets[0])
-        blocks = data[first : first + n * chunk_bytes].view(layout.dtype).reshape(n, rows, cols)
-        flat.reshape(len(dst), n, cols)[:] = blocks.transpose(1, 0, 2)[src]
-        return
-    for j, o in enumerate(offsets):
-        block = data[int(o) : int(o) + chunk_bytes].view(layout.dtype).reshape(rows, cols)
-        c_hi = min((j + 1) * cols, width) - j * cols
-        flat[:, j * cols : j * cols + c_hi] = block[src, :c_hi]
