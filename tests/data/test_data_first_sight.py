@@ -258,3 +258,67 @@ def test_given_lengths_are_not_taken_for_the_items_own():
     out = list(batches(TorchDataset(Items(data), lengths=given), extern_data=SPEC, batch_size=10**6))
     assert out[0]["data"].lengths.tolist() == [2, 5, 3, 4] and out[0]["classes"].lengths.tolist() == [2, 5, 3, 4]
     assert float(out[0]["data"].tensor[0, 2:].abs().sum()) == 0.0  # padded after its 2 real frames
+
+
+class Frames(Dataset):
+    """Numpy sequences read anew on each access (no packed storage), as a file-backed dataset gives them;
+    ``dtype_after``: once ``later`` is set, the frames come in that dtype (the same kind)."""
+
+    def __init__(self, data, dtype_after=None, **kwargs):
+        super().__init__(**kwargs)
+        self.data, self.dtype_after, self.reads, self.later = data, dtype_after, 0, False
+
+    @property
+    def num_seqs(self):
+        return len(self.data)
+
+    def get_seq(self, idx):
+        self.reads += 1
+        seq = {k: v.copy() for k, v in self.data[idx].items()}
+        if self.dtype_after is not None and self.later:
+            seq["data"] = seq["data"].astype(self.dtype_after)
+        return seq
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("dtype_after", [None, np.float64])
+def test_frames_go_straight_into_their_padded_rows(workers, dtype_after):
+    """Each sequence's frames are copied into its row (no joined copy), first sight or not: the same batches, padding
+    zero, cast to the declared dtype, in the main process and in a worker's shared memory."""
+    data = seqs(n=24, max_len=30)
+    ds = Frames(data, dtype_after=dtype_after, seq_ordering="random")
+    opts = {"num_workers": workers} if workers else {}
+    pipe = Pipeline(ds, extern_data=SPEC, batch_size=80, max_seqs=6, **opts)
+    try:
+        for epoch in (1, 2, 3):
+            pipe.set_epoch(epoch)
+            ds.later = epoch > 1
+            out = list(pipe)
+            assert sorted(i for b in out for i in b.seq_idx) == list(range(24))
+            assert any(len(set(b["data"].lengths.tolist())) > 1 for b in out)  # rows of different lengths
+            for b in out:
+                assert b["data"].dtype == torch.float32
+                assert_fields_equal(b.fields, full_check(ArrayDataset(data), b))
+    finally:
+        pipe.close()
+
+
+def test_frames_seen_before_with_a_wrong_shape_later_name_their_sequence():
+    data = seqs(n=10)
+
+    class Turns(Frames):
+        turned = False
+
+        def get_seq(self, idx):
+            seq = super().get_seq(idx)
+            if self.turned and idx == 4:
+                seq["data"] = seq["data"][:, :2]
+            return seq
+
+    ds = Turns(data)
+    pipe = Pipeline(ds, extern_data=SPEC, batch_size=10**6, max_seqs=5)
+    list(pipe)
+    pipe.set_epoch(2)
+    ds.turned = True
+    with pytest.raises(DataError, match=r"'data'.*seq-4"):
+        list(pipe)
