@@ -1,6 +1,6 @@
 """Data off the critical path: training through kit's pipeline on HDF files against batches in memory.
 
-Run: ``python benchmarks/data_scale.py`` (about 5-10 minutes on 2 cores; ``--large`` adds the
+Run: ``python benchmarks/data_scale.py`` (about 10 minutes on 2 cores; ``--large`` adds the
 2.4 GB set of 50 files, ``--sets 50mb`` runs one set, ``--steps`` sets the steps per run).
 
 Data: RETURNN's HDF layout (``inputs`` 40-dim float32 frames, 100-1500 frames per sequence,
@@ -10,21 +10,26 @@ directory that is removed at the end: 50 MB in 1 file, 500 MB in 10 files, 1000 
 (~260 MB), and with ``--large`` 2.4 GB in 50 files. Page cache warm (the files were just written).
 
 Each (set, loader) runs in a fresh process (so that peak RSS is its own): a compute-bound frame
-MLP (one torch thread) trains ``--steps`` steps with batch_size 20000 frames, max_seqs 64,
-``laplace:.100``; then the same number of the same loader's batches, loaded into memory first,
-train again in the same process; ``--rounds`` such pairs, back to back. Printed per run:
+MLP (one torch thread) trains with batch_size 20000 frames, max_seqs 64, ``laplace:.100``. Printed per run:
 
-- ratio: wall time through the loader / wall time on the batches in memory, the median of the
-  back-to-back pairs' ratios (target <= 1.03x; a pair shares the machine's state, whose speed drifts
-  by several % over a run); beside it the best round against the best round (``timeit``'s rule). The
-  ``control`` row is both with kit's batches in memory on both sides: what this machine's noise
-  alone gives, the resolution of the other rows. Each round starts a new epoch whose first batch is
-  loaded before its clock starts (that time is the first-batch column's);
-- CPU us/seq: CPU time of the training thread per sequence beyond the in-memory run's (median of pairs; the data
-  work the step waits for; target <= 30 % of 589 us, the synchronous pipeline's on main);
+- ratio to in-memory (step pairs, the headline): training alternates a step on the loader's next
+  batch with a step on the batch before it, by then in memory; per batch, its step through the
+  loader over its step in memory, 80 ms apart, so the machine's drift (several % over seconds on
+  this 2-core VM) cancels; the median of 200 such pairs, with their quartiles (target <= 1.03x).
+  Each loader step takes one batch, so the loader loads the next while that step runs, as in plain
+  training; an epoch's first batch is left out (its time is the first-batch column's);
+- whole rounds: ``--rounds`` rounds of ``--steps`` steps through the loader, each from a new epoch
+  whose first batch is loaded before its clock starts, against the same loader's first batches kept
+  in memory, back to back (ABBA order); the median of the rounds' ratios. Round-to-round noise is
+  several %, so this column only confirms the headline;
+- the ``control`` row has kit's batches in memory on both sides: what this machine's noise and
+  memory placement alone give, the resolution of the other rows;
+- CPU us/seq: CPU time of the training thread per sequence, loader step over in-memory step
+  (median of pairs; the data work the step waits for; target <= 30 % of 589 us, the synchronous
+  pipeline's on main);
 - first batch: seconds from the pipeline built (dataset opened) to its first batch (target <= 0.05 s
   on the 50 MB set), and the open time before it;
-- peak RSS of the process after the loader's run (before the in-memory batches are built).
+- peak RSS of the process after the loader's first round (before the in-memory batches are built).
 
 Loaders: kit with its defaults (prefetch thread), kit with ``data_prefetch=0`` (on the training
 thread, as before), kit with one worker process, a plain ``DataLoader`` over h5py with kit's batch
@@ -60,6 +65,7 @@ SETS = {  # name: (files, sequences per file)
     "1000files": (1000, 2),
     "2.4gb": (50, 375),
 }
+PAIRS = 200  # step pairs per run (about 16 s)
 LOADERS = ["kit", "kit_sync", "kit_worker", "dataloader", "returnn", "control"]
 
 
@@ -213,24 +219,65 @@ def make_loader(kind: str, files: list[str], steps: int) -> tuple[Callable[[], I
 # ---- one run (a child process) ------------------------------------------------------------------
 
 
-def train(batches: Iterator[Any], steps: int) -> tuple[float, float, int]:
-    """``steps`` steps of a frame MLP: (wall seconds, training thread CPU seconds, sequences)."""
+def make_model() -> tuple[Any, Any]:
+    """A frame MLP (the same initial weights each time) and its optimizer."""
     import torch
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN),
                                 torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def step(model: Any, opt: Any, batch: Any) -> int:
+    """One training step on ``batch``; its number of sequences."""
+    import torch
+
+    x, y, lengths, n = batch
+    mask = torch.arange(y.shape[1])[None, :] < lengths[:, None]
+    ce = torch.nn.functional.cross_entropy(model(x).transpose(1, 2), y, reduction="none")
+    loss = torch.where(mask, ce, 0).sum() / mask.sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return int(n)
+
+
+def train(batches: Iterator[Any], steps: int) -> tuple[float, float, int]:
+    """``steps`` steps of a frame MLP: (wall seconds, training thread CPU seconds, sequences)."""
+    model, opt = make_model()
     wall, cpu, seqs = time.perf_counter(), time.thread_time(), 0
-    for _, (x, y, lengths, n) in zip(range(steps), batches):
-        mask = torch.arange(y.shape[1])[None, :] < lengths[:, None]
-        ce = torch.nn.functional.cross_entropy(model(x).transpose(1, 2), y, reduction="none")
-        loss = torch.where(mask, ce, 0).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        seqs += n
+    for _, batch in zip(range(steps), batches):
+        seqs += step(model, opt, batch)
     return time.perf_counter() - wall, time.thread_time() - cpu, seqs
+
+
+def step_pairs(batches: Callable[[], Iterator[Any]], pairs: int) -> tuple[list[float], list[float]]:
+    """Training that alternates a step on the loader's next batch with a step on the batch before it, by then in
+    memory: each batch's (wall, CPU) ratio through the loader to in memory, 80 ms apart (the machine's drift,
+    several % over seconds, cancels; a whole round of 20 steps cannot resolve 1 %). Each loader step takes one batch,
+    so the loader loads one while that step runs, as in plain training; an epoch's first batch (loaded on the
+    training thread) is left out."""
+    model, opt = make_model()
+
+    def endless() -> Iterator[tuple[Any, bool]]:
+        while True:
+            yield from ((b, i == 0) for i, b in enumerate(batches()))
+
+    source, walls, cpus = endless(), [], []
+    prev: tuple[Any, bool, float, float] | None = None
+    while len(walls) < pairs:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        batch, first = next(source)
+        step(model, opt, batch)
+        now = (batch, first, time.perf_counter() - wall, time.thread_time() - cpu)
+        if prev is not None and not prev[1]:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            step(model, opt, prev[0])
+            walls.append(prev[2] / (time.perf_counter() - wall))
+            cpus.append(prev[3] - (time.thread_time() - cpu))
+        prev = now
+    return walls, cpus
 
 
 def child(kind: str, files: list[str], steps: int, rounds: int) -> dict[str, Any]:
@@ -254,19 +301,25 @@ def child(kind: str, files: list[str], steps: int, rounds: int) -> dict[str, Any
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     kept = [b for _, b in zip(range(steps), batches())]  # the same loader's batches, in memory
     mem = [train(iter(kept), steps)]
-    for _ in range(rounds - 1):  # interleaved pairs: the machine's speed drifts under a run
-        runs.append(train(begun(), steps))
-        mem.append(train(iter(kept), steps))
+    for i in range(1, rounds):  # interleaved pairs: the machine's speed drifts under a run, so every other pair
+        if i % 2:  # runs the in-memory side first (ABBA order: a drift within a pair does not favour one side)
+            mem.append(train(iter(kept), steps))
+            runs.append(train(begun(), steps))
+        else:
+            runs.append(train(begun(), steps))
+            mem.append(train(iter(kept), steps))
+    pairs, cpus = step_pairs(batches, PAIRS)
     if closable is not None:
         closable.close()
-    # the median of the back-to-back pairs' ratios: a pair shares the machine's state (its speed drifts by
-    # several % over a run); beside it the best round against the best round (timeit's rule)
-    ratio = statistics.median(r[0] / m[0] for r, m in zip(runs, mem))
-    best = min(r[0] for r in runs) / min(m[0] for m in mem)
-    cpu = statistics.median(r[1] - m[1] for r, m in zip(runs, mem))
+    # whole rounds: the median of the back-to-back pairs' ratios (a pair shares the machine's state, whose speed
+    # drifts by several % over a run)
+    rounds_ratio = statistics.median(r[0] / m[0] for r, m in zip(runs, mem))
+    seqs_per_batch = runs[0][2] / steps
     wall, seqs = statistics.median(r[0] for r in runs), runs[0][2]
     return {"kind": kind, "open_s": opened, "first_batch_s": first_batch, "seqs": seqs, "wall_s": wall,
-            "ratio": ratio, "best": best, "cpu_us_per_seq": 1e6 * cpu / seqs, "seqs_per_s": seqs / wall, "peak_rss_mb": rss}
+            "ratio": statistics.median(pairs), "quartiles": statistics.quantiles(pairs, n=4)[::2],
+            "rounds_ratio": rounds_ratio, "cpu_us_per_seq": 1e6 * statistics.median(cpus) / seqs_per_batch,
+            "seqs_per_s": seqs / wall, "peak_rss_mb": rss}
 
 
 def run_child(kind: str, files: list[str], steps: int, rounds: int) -> dict[str, Any] | str:
@@ -295,14 +348,16 @@ def installed(module: str) -> bool:
 
 
 def table(rows: list[tuple[str, str, dict[str, Any] | str]]) -> str:
-    lines = ["| set | loader | ratio to in-memory | best against best | CPU µs/seq on the training thread | seqs/s | "
-             "first batch | open | peak RSS |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| set | loader | ratio to in-memory (step pairs) | its quartiles | whole rounds | CPU µs/seq on the "
+             "training thread | seqs/s | first batch | open | peak RSS |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, kind, r in rows:
         if isinstance(r, str):
-            lines.append(f"| {name} | {kind} | {r} | | | | | | |")
+            lines.append(f"| {name} | {kind} | {r} | | | | | | | |")
             continue
-        lines.append(f"| {name} | {kind} | {r['ratio']:.3f}x | {r['best']:.3f}x | {r['cpu_us_per_seq']:.0f} | {r['seqs_per_s']:.0f} | "
-                     f"{r['first_batch_s']:.3f} s | {r['open_s']:.3f} s | {r['peak_rss_mb']:.0f} MB |")
+        q1, q3 = r["quartiles"]
+        lines.append(f"| {name} | {kind} | {r['ratio']:.3f}x | {q1:.3f}-{q3:.3f} | {r['rounds_ratio']:.3f}x | "
+                     f"{r['cpu_us_per_seq']:.0f} | {r['seqs_per_s']:.0f} | {r['first_batch_s']:.3f} s | "
+                     f"{r['open_s']:.3f} s | {r['peak_rss_mb']:.0f} MB |")
     return "\n".join(lines)
 
 
@@ -312,7 +367,7 @@ def main() -> None:
     ap.add_argument("--large", action="store_true", help="add the 2.4 GB set of 50 files (disk and ~10 more minutes)")
     ap.add_argument("--loaders", default=",".join(LOADERS))
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=15, help="interleaved rounds per run")
+    ap.add_argument("--rounds", type=int, default=10, help="whole rounds per run (ABBA order)")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     add_write_flag(ap)
     args = ap.parse_args()
@@ -343,10 +398,10 @@ def main() -> None:
     text = table(rows)
     print(text)
     publish(args, "data_scale", text, notes=(
-        f"{args.steps} steps per run, {args.rounds} rounds, one torch thread; ratio: to the same training on batches "
-        "already in memory, median of the back-to-back rounds' ratios (best against best beside it; control: kit's "
-        "batches in memory on both sides, the noise of this run); CPU µs/seq: CPU time on the training thread per "
-        "sequence beyond the in-memory run's"))
+        f"one torch thread; ratio: each batch's training step through the loader over its step in memory 80 ms later, "
+        f"median of {PAIRS} such pairs (quartiles beside it); whole rounds: median of {args.rounds} back-to-back rounds "
+        f"of {args.steps} steps (ABBA order); control: kit's batches in memory on both sides, the noise of this run; "
+        "CPU µs/seq: CPU time on the training thread per sequence, loader step over in-memory step"))
 
 
 if __name__ == "__main__":
