@@ -213,7 +213,10 @@ def read_rows(files: RawFiles, path: str, stamp: Stamp, layout: RawLayout, a: in
         return None
     else:
         _read_scattered(files, path, stamp, layout, r0, r1, whole)
-    return whole[a - r0 * rows : b - r0 * rows, : layout.width].reshape(b - a, *layout.shape[1:])
+    got = whole[a - r0 * rows : b - r0 * rows, : layout.width]
+    if not got.flags.c_contiguous:  # chunks that overhang the width: a C-ordered array, as h5py gives it
+        got = np.ascontiguousarray(got)
+    return got.reshape(b - a, *layout.shape[1:])
 
 
 def _transpose_into(whole: np.ndarray, elems: np.ndarray, k: int, n: int, layout: RawLayout) -> None:

@@ -60,6 +60,7 @@ def _assert_reads_as_h5py(ds, path):
             for key, name in (("data", "inputs"), ("classes", "targets/data/classes")):
                 ref = f[name][int(ends[i]) : int(ends[i + 1])]
                 assert got[key].dtype == ref.dtype and got[key].shape == ref.shape, (i, key)
+                assert got[key].flags.c_contiguous, (i, key)
                 assert np.array_equal(got[key], ref), (i, key)
 
 
