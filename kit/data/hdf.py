@@ -78,15 +78,16 @@ class _FileIndex:
         self.raw: dict[str, RawLayout | None] = {}
         self.read_before = False  # a sequence of this file was read (large datasets are mapped from then on)
         for key in self.data_keys:
-            if cheap_to_map(fin[self._name(key)]):
-                self.raw[key] = raw_layout(fin[self._name(key)])
+            if cheap_to_map(fin[self.dataset_name(key)]):
+                self.raw[key] = raw_layout(fin[self.dataset_name(key)])
 
-    def _name(self, key: str) -> str:
+    def dataset_name(self, key: str) -> str:
+        """The HDF dataset that holds ``key``'s rows."""
         return "inputs" if key == "data" and self.has_inputs else f"targets/data/{key}"
 
     def _check_against_data(self, fin: Any) -> None:
         for key in self.data_keys:
-            name = self._name(key)
+            name = self.dataset_name(key)
             ds = fin[name]
             if key != "data" and key not in fin["targets/size"].attrs:
                 raise DataError(f"HDF file {self.path}: target key {key!r} has data but no size "
@@ -399,10 +400,8 @@ class HDFDataset(Dataset):
         fin = self._file(f)
         arrays = self._arrays.get(f)
         if arrays is None:
-            has_inputs = self._index[f].has_inputs
-            arrays = self._arrays[f] = {
-                key: fin["inputs"] if key == "data" and has_inputs else fin["targets/data"][key] for key in self.data_keys
-            }
+            fi = self._index[f]
+            arrays = self._arrays[f] = {key: fin[fi.dataset_name(key)] for key in self.data_keys}
         return arrays
 
     def get_seq_tag(self, idx: int) -> str:

@@ -92,7 +92,7 @@ class RawLayout:
             rows = np.arange(len(offsets), dtype=np.int64)
             follows = np.zeros(len(offsets), dtype=bool)
             follows[1:] = good[1:] & good[:-1] & (offsets[1:, 0] == offsets[:-1, -1] + self.chunk_bytes)
-            self.run_start = np.maximum.accumulate(np.where(follows, 0, rows)) if len(rows) else rows
+            self.run_start = np.maximum.accumulate(np.where(follows, 0, rows))
             self.run_start[~good] = rows[~good] + 1
 
 
@@ -193,7 +193,7 @@ def read_rows(files: RawFiles, path: str, stamp: Stamp, layout: RawLayout, a: in
         if b > a:
             files.read_into(path, stamp, out, layout.offset + a * layout.row_bytes)  # type: ignore[operator]
         return out
-    assert layout.chunk_offsets is not None and layout.in_order is not None
+    assert layout.chunk_offsets is not None
     rows, chunk_bytes = layout.chunk_rows, layout.chunk_bytes
     r0, r1 = a // rows, (b - 1) // rows + 1
     # the rows of chunks r0..r1 whole, [rows of chunks * chunk rows, columns of chunks * chunk columns];
